@@ -1,0 +1,60 @@
+#ifndef ATTENTION_CLIENT_ATTENTION_CLIENT_H_
+#define ATTENTION_CLIENT_ATTENTION_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attention/v1/service.grpc.pb.h"
+
+namespace grpc {
+class Channel;
+}
+
+namespace attention::client {
+
+struct ClientOptions {
+  // gRPC target: "127.0.0.1:50051", "dns:///name:50051", ...
+  std::string target = "127.0.0.1:50051";
+  int64_t max_message_mb = 256;
+  // Sent as "authorization: Bearer <token>" when not empty.
+  std::string bearer_token;
+  // Applied to each call unless the call passes its own. Zero, negative or
+  // infinite: no deadline.
+  absl::Duration timeout = absl::Seconds(30);
+};
+
+// A connection to one attention service target. Thread-safe.
+class AttentionClient {
+ public:
+  // INVALID_ARGUMENT for an empty target or a max_message_mb outside
+  // [1, 2047]. Connects lazily: an unreachable target fails the first call.
+  static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(const ClientOptions& options);
+
+  AttentionClient(const AttentionClient&) = delete;
+  AttentionClient& operator=(const AttentionClient&) = delete;
+
+  // The server's error comes back as the status (same code and message);
+  // DEADLINE_EXCEEDED after options.timeout, UNAVAILABLE when unreachable.
+  absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request);
+  absl::StatusOr<v1::ServerInfo> GetServerInfo();
+  absl::StatusOr<v1::ListModelsResponse> ListModels();
+  absl::StatusOr<v1::GetModelResponse> GetModel(const std::string& name);
+  // grpc.health.v1 Check for `service` ("" = the whole server); returns the
+  // status name: "SERVING", "NOT_SERVING", ...
+  absl::StatusOr<std::string> Health(const std::string& service = "");
+
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  AttentionClient(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+};
+
+}  // namespace attention::client
+
+#endif  // ATTENTION_CLIENT_ATTENTION_CLIENT_H_

@@ -1,0 +1,440 @@
+#include "engine/attention.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "engine/half.h"
+#include "engine/internal.h"
+#include "engine/status_macros.h"
+
+namespace attention {
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+    case DType::kBFloat16:
+    case DType::kFloat16:
+      return 2;
+    case DType::kBool:
+      return 1;
+    case DType::kInt64:
+      return 8;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "FLOAT32";
+    case DType::kBFloat16:
+      return "BFLOAT16";
+    case DType::kFloat16:
+      return "FLOAT16";
+    case DType::kBool:
+      return "BOOL";
+    case DType::kInt32:
+      return "INT32";
+    case DType::kInt64:
+      return "INT64";
+  }
+  return "UNKNOWN";
+}
+
+namespace internal {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) absl::StrAppend(&s, i ? ", " : "", shape[i]);
+  return s + "]";
+}
+
+absl::StatusOr<int64_t> CheckedElementCount(const std::vector<int64_t>& shape,
+                                            const std::string& field) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": shape ", ShapeString(shape), " has too many elements"));
+    }
+  }
+  return n;
+}
+
+namespace {
+
+template <typename T>
+T LoadAt(const TensorView& v, size_t i) {
+  T x;
+  std::memcpy(&x, static_cast<const char*>(v.data) + i * sizeof(T), sizeof(T));
+  return x;
+}
+
+size_t ElementsOf(const TensorView& v) { return v.size_bytes / DTypeSize(v.dtype); }
+
+}  // namespace
+
+std::vector<float> LoadFloats(const TensorView& view) {
+  size_t n = ElementsOf(view);
+  std::vector<float> out(n);
+  switch (view.dtype) {
+    case DType::kFloat32:
+      if (n) std::memcpy(out.data(), view.data, n * sizeof(float));
+      break;
+    case DType::kBFloat16:
+      for (size_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(LoadAt<uint16_t>(view, i));
+      break;
+    case DType::kFloat16:
+      for (size_t i = 0; i < n; ++i) out[i] = Float16ToFloat(LoadAt<uint16_t>(view, i));
+      break;
+    default:
+      out.clear();
+  }
+  return out;
+}
+
+std::vector<int64_t> LoadInts(const TensorView& view) {
+  size_t n = ElementsOf(view);
+  std::vector<int64_t> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = view.dtype == DType::kInt32 ? LoadAt<int32_t>(view, i) : LoadAt<int64_t>(view, i);
+  }
+  return out;
+}
+
+std::vector<uint8_t> LoadBools(const TensorView& view) {
+  const auto* p = static_cast<const uint8_t*>(view.data);
+  return std::vector<uint8_t>(p, p + view.size_bytes);
+}
+
+HeadIndexer MakeHeadIndexer(const TensorView& view, Layout layout, bool rank4, int64_t heads,
+                            int64_t head_dim) {
+  const auto& s = view.shape;
+  HeadIndexer ix;
+  if (rank4) {  // [B, H, P, D]
+    ix.pos_stride = head_dim;
+    ix.head_stride = s[2] * head_dim;
+    ix.batch_stride = s[0] == 1 ? 0 : heads * s[2] * head_dim;
+  } else if (layout == Layout::kBatchFirst) {  // [B, P, E]
+    ix.head_stride = head_dim;
+    ix.pos_stride = s[2];
+    ix.batch_stride = s[0] == 1 ? 0 : s[1] * s[2];
+  } else {  // [P, B, E]
+    ix.head_stride = head_dim;
+    ix.pos_stride = s[1] * s[2];
+    ix.batch_stride = s[1] == 1 ? 0 : s[2];
+  }
+  return ix;
+}
+
+double DropoutUniform(uint64_t seed, uint64_t index) {
+  // splitmix64 over the pair; 53 random bits.
+  uint64_t z = seed * 0x9e3779b97f4a7c15ull + index + 0x632be59bd9b4e019ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
+double EffectiveScale(const ScoreSpec& score, int64_t query_dim) {
+  if (score.scale) return *score.scale;
+  if (score.kind == ScoreKind::kScaledDot) return 1.0 / std::sqrt(static_cast<double>(query_dim));
+  return 1.0;
+}
+
+}  // namespace internal
+
+namespace {
+
+using internal::ShapeString;
+
+bool IsFloat(DType d) {
+  return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
+}
+
+const char* ScoreName(ScoreKind kind) {
+  switch (kind) {
+    case ScoreKind::kScaledDot:
+      return "SCALED_DOT";
+    case ScoreKind::kDot:
+      return "DOT";
+    case ScoreKind::kAdditive:
+      return "ADDITIVE";
+    case ScoreKind::kBilinear:
+      return "BILINEAR";
+    case ScoreKind::kCosine:
+      return "COSINE";
+    case ScoreKind::kNegEuclidean:
+      return "NEG_EUCLIDEAN";
+    case ScoreKind::kGaussian:
+      return "GAUSSIAN";
+  }
+  return "UNKNOWN";
+}
+
+enum class Allowed { kFloat, kFloatOrBool, kInteger };
+
+// Checks dtype, rank, dims >= 1, overflow and byte count of a present view.
+absl::Status CheckView(const TensorView& v, const std::string& field, Allowed allowed,
+                       std::initializer_list<size_t> ranks) {
+  bool dtype_ok = allowed == Allowed::kInteger
+                      ? (v.dtype == DType::kInt32 || v.dtype == DType::kInt64)
+                      : IsFloat(v.dtype) || (allowed == Allowed::kFloatOrBool && v.dtype == DType::kBool);
+  if (!dtype_ok) {
+    const char* want = allowed == Allowed::kFloat         ? "FLOAT32, BFLOAT16 or FLOAT16"
+                       : allowed == Allowed::kFloatOrBool ? "BOOL, FLOAT32, BFLOAT16 or FLOAT16"
+                                                          : "INT32 or INT64";
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": dtype ", DTypeName(v.dtype), " is not allowed; want ", want));
+  }
+  bool rank_ok = false;
+  std::string rank_list;
+  for (size_t r : ranks) {
+    rank_ok |= v.shape.size() == r;
+    absl::StrAppend(&rank_list, rank_list.empty() ? "" : " or ", r);
+  }
+  if (!rank_ok) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(v.shape),
+                                                   " has rank ", v.shape.size(), "; want rank ",
+                                                   rank_list));
+  }
+  for (size_t i = 0; i < v.shape.size(); ++i) {
+    if (v.shape[i] < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(v.shape),
+                                                     " has dim ", i, " = ", v.shape[i],
+                                                     "; every dim must be >= 1"));
+    }
+  }
+  ATTN_ASSIGN_OR_RETURN(int64_t n, internal::CheckedElementCount(v.shape, field));
+  int64_t bytes;
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(DTypeSize(v.dtype)), &bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shape ", ShapeString(v.shape), " has too many elements"));
+  }
+  if (v.data == nullptr || static_cast<uint64_t>(bytes) != v.size_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": data has ", v.data ? v.size_bytes : 0, " bytes; shape ", ShapeString(v.shape),
+        " of ", DTypeName(v.dtype), " needs ", bytes));
+  }
+  if (v.dtype == DType::kBool) {
+    const auto* p = static_cast<const uint8_t*>(v.data);
+    for (size_t i = 0; i < v.size_bytes; ++i) {
+      if (p[i] > 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": BOOL element ", i, " is ", static_cast<int>(p[i]), "; want 0 or 1"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// `got` must equal `want`, or be 1 when `broadcast` allows it.
+absl::Status CheckDim(const std::string& field, const TensorView& v, size_t dim,
+                      const char* what, int64_t want, bool broadcast) {
+  int64_t got = v.shape[dim];
+  if (got == want || (broadcast && got == 1)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": shape ", ShapeString(v.shape), " dim ", dim, " is ", got,
+                   "; want ", what, " = ", want, broadcast ? " (or 1 to broadcast)" : ""));
+}
+
+absl::Status CheckFinite(const std::string& field, double x) {
+  if (std::isfinite(x)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", x, " is not a finite number"));
+}
+
+absl::Status CheckScore(const ScoreSpec& s, const AttentionShape& shape) {
+  if (s.scale) ATTN_RETURN_IF_ERROR(CheckFinite("score.scale", *s.scale));
+  const bool additive = s.kind == ScoreKind::kAdditive;
+  const bool bilinear = s.kind == ScoreKind::kBilinear;
+  const bool gaussian = s.kind == ScoreKind::kGaussian;
+  struct Param {
+    const char* field;
+    const TensorView& view;
+    bool used;
+  } params[] = {{"score.w_q", s.w_q, additive},
+                {"score.w_k", s.w_k, additive},
+                {"score.w_v", s.w_v, additive},
+                {"score.w", s.w, bilinear}};
+  for (const auto& p : params) {
+    if (p.view.present() && !p.used) {
+      return absl::InvalidArgumentError(absl::StrCat(p.field, ": is not used by score ",
+                                                     ScoreName(s.kind), "; leave it unset"));
+    }
+    if (!p.view.present() && p.used) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(p.field, ": is required by score ", ScoreName(s.kind)));
+    }
+  }
+  if (s.bandwidth && !gaussian) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "score.bandwidth: is not used by score ", ScoreName(s.kind), "; leave it unset"));
+  }
+  if (s.bandwidth) ATTN_RETURN_IF_ERROR(CheckFinite("score.bandwidth", *s.bandwidth));
+
+  const bool compares_directly = !additive && !bilinear;
+  if (compares_directly && shape.query_dim != shape.key_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key: head dim ", shape.key_dim, " does not match query's head dim ", shape.query_dim,
+        " (score ", ScoreName(s.kind), " compares q and k directly)"));
+  }
+  if (additive) {
+    ATTN_RETURN_IF_ERROR(CheckView(s.w_q, "score.w_q", Allowed::kFloat, {2}));
+    ATTN_RETURN_IF_ERROR(CheckView(s.w_k, "score.w_k", Allowed::kFloat, {2}));
+    ATTN_RETURN_IF_ERROR(CheckView(s.w_v, "score.w_v", Allowed::kFloat, {1}));
+    const int64_t hidden = s.w_q.shape[0];
+    ATTN_RETURN_IF_ERROR(CheckDim("score.w_q", s.w_q, 1, "query head dim", shape.query_dim, false));
+    ATTN_RETURN_IF_ERROR(CheckDim("score.w_k", s.w_k, 0, "score.w_q's hidden size", hidden, false));
+    ATTN_RETURN_IF_ERROR(CheckDim("score.w_k", s.w_k, 1, "key head dim", shape.key_dim, false));
+    ATTN_RETURN_IF_ERROR(CheckDim("score.w_v", s.w_v, 0, "score.w_q's hidden size", hidden, false));
+  }
+  if (bilinear) {
+    ATTN_RETURN_IF_ERROR(CheckView(s.w, "score.w", Allowed::kFloat, {2}));
+    ATTN_RETURN_IF_ERROR(CheckDim("score.w", s.w, 0, "query head dim", shape.query_dim, false));
+    ATTN_RETURN_IF_ERROR(CheckDim("score.w", s.w, 1, "key head dim", shape.key_dim, false));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckMasks(const MaskSpec& m, const AttentionShape& shape) {
+  const int64_t B = shape.batch, H = shape.heads, L = shape.query_len, S = shape.key_len;
+  if (m.valid_lens.present()) {
+    const std::string f = "mask.valid_lens";
+    ATTN_RETURN_IF_ERROR(CheckView(m.valid_lens, f, Allowed::kInteger, {1, 2}));
+    ATTN_RETURN_IF_ERROR(CheckDim(f, m.valid_lens, 0, "batch size B", B, true));
+    if (m.valid_lens.shape.size() == 2) {
+      ATTN_RETURN_IF_ERROR(CheckDim(f, m.valid_lens, 1, "query length L", L, false));
+    }
+    std::vector<int64_t> lens = internal::LoadInts(m.valid_lens);
+    for (size_t i = 0; i < lens.size(); ++i) {
+      if (lens[i] < 0 || lens[i] > S) {
+        return absl::InvalidArgumentError(absl::StrCat(f, ": element ", i, " is ", lens[i],
+                                                       "; want 0 <= len <= key length S = ", S));
+      }
+    }
+  }
+  if (m.key_padding_mask.present()) {
+    const std::string f = "mask.key_padding_mask";
+    ATTN_RETURN_IF_ERROR(CheckView(m.key_padding_mask, f, Allowed::kFloatOrBool, {2}));
+    ATTN_RETURN_IF_ERROR(CheckDim(f, m.key_padding_mask, 0, "batch size B", B, true));
+    ATTN_RETURN_IF_ERROR(CheckDim(f, m.key_padding_mask, 1, "key length S", S, false));
+  }
+  if (m.attn_mask.present()) {
+    const std::string f = "mask.attn_mask";
+    const TensorView& a = m.attn_mask;
+    ATTN_RETURN_IF_ERROR(CheckView(a, f, Allowed::kFloatOrBool, {2, 3, 4}));
+    const size_t r = a.shape.size();
+    if (r >= 3) ATTN_RETURN_IF_ERROR(CheckDim(f, a, 0, "batch size B", B, true));
+    if (r == 4) ATTN_RETURN_IF_ERROR(CheckDim(f, a, 1, "heads H", H, true));
+    ATTN_RETURN_IF_ERROR(CheckDim(f, a, r - 2, "query length L", L, true));
+    ATTN_RETURN_IF_ERROR(CheckDim(f, a, r - 1, "key length S", S, true));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<AttentionShape> ResolveShape(const AttentionArgs& args) {
+  if (!args.query.present()) return absl::InvalidArgumentError("query: is required");
+  ATTN_RETURN_IF_ERROR(CheckView(args.query, "query", Allowed::kFloat, {3, 4}));
+  const TensorView& q = args.query;
+  const bool rank4 = q.shape.size() == 4;
+  const TensorView& k = args.key.present() ? args.key : q;
+  const TensorView& v = args.value.present() ? args.value : k;
+  const size_t want_rank = q.shape.size();
+  if (args.key.present()) {
+    ATTN_RETURN_IF_ERROR(CheckView(args.key, "key", Allowed::kFloat, {want_rank}));
+  }
+  if (args.value.present()) {
+    ATTN_RETURN_IF_ERROR(CheckView(args.value, "value", Allowed::kFloat, {want_rank}));
+  }
+  if (args.num_heads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_heads: ", args.num_heads, " is negative; want >= 1 (0 means 1)"));
+  }
+
+  AttentionShape s;
+  s.rank4 = rank4;
+  int64_t bq, bk, bv, sv;
+  if (rank4) {
+    if (args.layout != Layout::kBatchFirst) {
+      return absl::InvalidArgumentError(
+          "layout: SEQUENCE_FIRST applies to rank-3 inputs only; rank-4 inputs are [B, H, L, D]");
+    }
+    bq = q.shape[0], bk = k.shape[0], bv = v.shape[0];
+    s.heads = q.shape[1];
+    s.kv_heads = k.shape[1];
+    s.query_len = q.shape[2];
+    s.key_len = k.shape[2];
+    sv = v.shape[2];
+    s.query_dim = q.shape[3];
+    s.key_dim = k.shape[3];
+    s.value_dim = v.shape[3];
+    if (args.num_heads != 0 && args.num_heads != s.heads) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_heads: ", args.num_heads, " does not match query's ", s.heads,
+                       " heads (rank-4 inputs carry their heads; leave num_heads unset)"));
+    }
+    if (v.shape[1] != s.kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat("value: ", v.shape[1],
+                                                     " heads do not match key's ", s.kv_heads));
+    }
+    if (s.heads % s.kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "key: ", s.kv_heads, " heads do not divide query's ", s.heads,
+          " heads (grouped-query attention needs H to be a multiple of Hk)"));
+    }
+  } else {
+    const bool bf = args.layout == Layout::kBatchFirst;
+    const int b = bf ? 0 : 1, p = bf ? 1 : 0;
+    bq = q.shape[b], bk = k.shape[b], bv = v.shape[b];
+    s.query_len = q.shape[p];
+    s.key_len = k.shape[p];
+    sv = v.shape[p];
+    s.heads = s.kv_heads = args.num_heads == 0 ? 1 : args.num_heads;
+    struct Split {
+      const char* field;
+      int64_t dim;
+      int64_t* per_head;
+    } splits[] = {{"query", q.shape[2], &s.query_dim},
+                  {"key", k.shape[2], &s.key_dim},
+                  {"value", v.shape[2], &s.value_dim}};
+    for (const auto& sp : splits) {
+      if (sp.dim % s.heads != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("num_heads: ", s.heads,
+                                                       " does not divide ", sp.field,
+                                                       "'s last dim ", sp.dim));
+      }
+      *sp.per_head = sp.dim / s.heads;
+    }
+  }
+  if (sv != s.key_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "value: sequence length ", sv, " does not match key's sequence length ", s.key_len));
+  }
+  s.batch = std::max({bq, bk, bv});
+  struct Batch {
+    const char* field;
+    int64_t b;
+  } batches[] = {{"query", bq}, {"key", bk}, {"value", bv}};
+  for (const auto& bt : batches) {
+    if (bt.b != s.batch && bt.b != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(bt.field, ": batch size ", bt.b,
+                                                     " does not match batch size ", s.batch,
+                                                     " (a batch dim of 1 broadcasts)"));
+    }
+  }
+  ATTN_RETURN_IF_ERROR(CheckScore(args.score, s));
+  ATTN_RETURN_IF_ERROR(CheckMasks(args.mask, s));
+  if (!std::isfinite(args.dropout_p) || args.dropout_p < 0 || args.dropout_p > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dropout_p: ", args.dropout_p, " is outside [0, 1]"));
+  }
+  return s;
+}
+
+}  // namespace attention

@@ -1,0 +1,113 @@
+#ifndef ATTENTION_ENGINE_ATTENTION_H_
+#define ATTENTION_ENGINE_ATTENTION_H_
+
+// The engine's public types: plain C++ only (no gRPC, protobuf or oneDNN).
+// Field names in error messages are the wire's (`query`, `mask.valid_lens`,
+// `score.w_q`, ...), so a server can pass engine errors straight through.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace attention {
+
+enum class DType { kFloat32, kBFloat16, kFloat16, kBool, kInt32, kInt64 };
+
+// Bytes per element of `dtype`.
+size_t DTypeSize(DType dtype);
+// "FLOAT32", "BOOL", ... as on the wire.
+const char* DTypeName(DType dtype);
+
+// A borrowed, row-major, little-endian tensor. `data` must stay valid for the
+// call it is passed to; `size_bytes` is how many bytes `data` holds, checked
+// against shape x DTypeSize(dtype).
+struct TensorView {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t size_bytes = 0;
+
+  bool present() const { return data != nullptr || !shape.empty(); }
+};
+
+// An owned float32 tensor.
+struct Tensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+
+enum class ScoreKind {
+  kScaledDot,
+  kDot,
+  kAdditive,
+  kBilinear,
+  kCosine,
+  kNegEuclidean,
+  kGaussian,
+};
+
+enum class Causal { kNone, kTopLeft, kBottomRight };
+enum class Layout { kBatchFirst, kSequenceFirst };
+
+struct ScoreSpec {
+  ScoreKind kind = ScoreKind::kScaledDot;
+  std::optional<double> scale;
+  TensorView w_q, w_k, w_v;  // kAdditive
+  TensorView w;              // kBilinear
+  std::optional<double> bandwidth;  // kGaussian; unset means 1
+};
+
+// Absent masks have no shape and no data (TensorView::present() is false).
+struct MaskSpec {
+  TensorView valid_lens;
+  TensorView key_padding_mask;
+  TensorView attn_mask;
+  Causal causal = Causal::kNone;
+};
+
+// One attention call; the semantics are those of README "Semantics".
+struct AttentionArgs {
+  TensorView query;
+  TensorView key;    // absent: key = query
+  TensorView value;  // absent: value = key
+  Layout layout = Layout::kBatchFirst;
+  int64_t num_heads = 0;  // rank-3 inputs; 0 means 1
+  ScoreSpec score;
+  MaskSpec mask;
+  bool need_weights = false;
+  bool average_weights = false;
+  double dropout_p = 0.0;
+  uint64_t seed = 0;
+};
+
+struct AttentionResult {
+  Tensor output;   // [B, L, Ev] ([L, B, Ev] sequence-first) or [B, H, L, Dv]
+  Tensor weights;  // [B, H, L, S] or [B, L, S]; empty unless need_weights
+};
+
+// The resolved sizes of one call, after broadcasting and head splitting.
+struct AttentionShape {
+  int64_t batch = 0;       // B
+  int64_t heads = 0;       // H, query heads
+  int64_t kv_heads = 0;    // Hk, divides H
+  int64_t query_len = 0;   // L
+  int64_t key_len = 0;     // S
+  int64_t query_dim = 0;   // Dq, per head
+  int64_t key_dim = 0;     // Dk, per head
+  int64_t value_dim = 0;   // Dv, per head
+  bool rank4 = false;
+};
+
+// Checks `args` (ranks, shapes, byte counts, dtypes, broadcasting, score
+// parameters, mask shapes and values) and resolves its sizes.
+// INVALID_ARGUMENT names the field and the numbers.
+absl::StatusOr<AttentionShape> ResolveShape(const AttentionArgs& args);
+
+}  // namespace attention
+
+#endif  // ATTENTION_ENGINE_ATTENTION_H_

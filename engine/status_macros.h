@@ -1,0 +1,28 @@
+#ifndef ATTENTION_ENGINE_STATUS_MACROS_H_
+#define ATTENTION_ENGINE_STATUS_MACROS_H_
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+// The project's one pair of error-propagation macros.
+
+#define ATTN_STATUS_CONCAT_INNER_(a, b) a##b
+#define ATTN_STATUS_CONCAT_(a, b) ATTN_STATUS_CONCAT_INNER_(a, b)
+
+// Returns the status from the enclosing function when `expr` is not OK.
+#define ATTN_RETURN_IF_ERROR(expr)                \
+  do {                                            \
+    ::absl::Status attn_status_ = (expr);         \
+    if (!attn_status_.ok()) return attn_status_;  \
+  } while (0)
+
+// `lhs = value of rexpr` when OK, otherwise returns its status.
+#define ATTN_ASSIGN_OR_RETURN(lhs, rexpr) \
+  ATTN_ASSIGN_OR_RETURN_IMPL_(ATTN_STATUS_CONCAT_(attn_statusor_, __LINE__), lhs, rexpr)
+
+#define ATTN_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr) \
+  auto statusor = (rexpr);                                \
+  if (!statusor.ok()) return std::move(statusor).status(); \
+  lhs = std::move(statusor).value()
+
+#endif  // ATTENTION_ENGINE_STATUS_MACROS_H_

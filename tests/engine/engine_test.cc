@@ -1,0 +1,308 @@
+#include "engine/engine.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/half.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attention {
+namespace {
+
+using ::testing::HasSubstr;
+
+MATCHER_P2(StatusIs, code, substr, "") {
+  if (arg.status().code() == code && arg.status().message().find(substr) != std::string::npos) {
+    return true;
+  }
+  *result_listener << "status is " << arg.status();
+  return false;
+}
+
+// A tensor that owns its bytes.
+struct Owned {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::string bytes;
+
+  TensorView view() const { return TensorView{dtype, shape, bytes.data(), bytes.size()}; }
+};
+
+template <typename T>
+Owned Make(DType dtype, std::vector<int64_t> shape, const std::vector<T>& values) {
+  Owned t{dtype, std::move(shape), std::string(values.size() * sizeof(T), '\0')};
+  if (!values.empty()) std::memcpy(t.bytes.data(), values.data(), t.bytes.size());
+  return t;
+}
+
+Owned Floats(std::vector<int64_t> shape, const std::vector<float>& v) {
+  return Make(DType::kFloat32, std::move(shape), v);
+}
+
+Owned Random(std::vector<int64_t> shape, uint32_t seed) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return Floats(std::move(shape), v);
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto engine = Engine::Create(EngineOptions{});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = std::move(engine).value();
+  }
+
+  AttentionResult Run(const AttentionArgs& args) {
+    auto r = engine_->Attend(args);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? std::move(r).value() : AttentionResult{};
+  }
+
+  // B=2, H=2, L=3, S=5, E=8 self-contained raw attention with weights.
+  AttentionArgs Basic() {
+    AttentionArgs a;
+    a.query = q_.view();
+    a.key = k_.view();
+    a.value = v_.view();
+    a.num_heads = 2;
+    a.need_weights = true;
+    return a;
+  }
+
+  std::unique_ptr<Engine> engine_;
+  Owned q_ = Random({2, 3, 8}, 1), k_ = Random({2, 5, 8}, 2), v_ = Random({2, 5, 8}, 3);
+};
+
+void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, float tol) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], tol) << "element " << i;
+}
+
+TEST_F(EngineTest, DropoutIsReproducibleFromTheSeed) {
+  AttentionArgs a = Basic();
+  a.dropout_p = 0.5;
+  a.seed = 42;
+  AttentionResult first = Run(a), second = Run(a);
+  EXPECT_EQ(first.weights.data, second.weights.data);
+  EXPECT_EQ(first.output.data, second.output.data);
+  a.seed = 43;
+  EXPECT_NE(Run(a).weights.data, first.weights.data);
+}
+
+TEST_F(EngineTest, DropoutKeepsAboutOneMinusPAndScalesSurvivors) {
+  Owned q = Random({1, 64, 16}, 7), k = Random({1, 64, 16}, 8);
+  AttentionArgs a;
+  a.query = q.view();
+  a.key = k.view();
+  a.need_weights = true;
+  const AttentionResult plain = Run(a);
+  a.dropout_p = 0.3;
+  a.seed = 9;
+  const AttentionResult dropped = Run(a);
+  size_t kept = 0;
+  for (size_t i = 0; i < plain.weights.data.size(); ++i) {
+    if (dropped.weights.data[i] == 0.0f) continue;
+    ++kept;
+    EXPECT_NEAR(dropped.weights.data[i], plain.weights.data[i] / 0.7f, 1e-6f) << "element " << i;
+  }
+  const double fraction = static_cast<double>(kept) / plain.weights.data.size();
+  EXPECT_NEAR(fraction, 0.7, 0.02);  // 4096 draws: 0.02 is over 2.7 sigma
+}
+
+TEST_F(EngineTest, DropoutOfOneZeroesEverything) {
+  AttentionArgs a = Basic();
+  a.dropout_p = 1.0;
+  const AttentionResult r = Run(a);
+  for (float w : r.weights.data) EXPECT_EQ(w, 0.0f);
+  for (float o : r.output.data) EXPECT_EQ(o, 0.0f);
+}
+
+TEST_F(EngineTest, OmittedKeyAndValueMeanSelfAttention) {
+  AttentionArgs a = Basic();
+  a.key = a.query;
+  a.value = a.query;
+  const AttentionResult explicit_kv = Run(a);
+  a.key = {};
+  a.value = {};
+  const AttentionResult implicit_kv = Run(a);
+  EXPECT_EQ(implicit_kv.output.data, explicit_kv.output.data);
+  EXPECT_EQ(implicit_kv.weights.data, explicit_kv.weights.data);
+}
+
+TEST_F(EngineTest, AveragedWeightsAreTheMeanOverHeads) {
+  AttentionArgs a = Basic();
+  const AttentionResult split = Run(a);
+  a.average_weights = true;
+  const AttentionResult averaged = Run(a);
+  ASSERT_EQ(averaged.weights.shape, (std::vector<int64_t>{2, 3, 5}));
+  std::vector<float> mean(2 * 3 * 5, 0.0f);
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 15; ++i) mean[b * 15 + i] += split.weights.data[(b * 2 + h) * 15 + i] / 2;
+  ExpectNear(averaged.weights.data, mean, 1e-6f);
+}
+
+TEST_F(EngineTest, SequenceFirstMatchesBatchFirstTransposed) {
+  auto transpose = [](const Owned& t) {  // [B, P, E] <-> [P, B, E]
+    const int64_t B = t.shape[0], P = t.shape[1], E = t.shape[2];
+    std::vector<float> in(B * P * E), out(B * P * E);
+    std::memcpy(in.data(), t.bytes.data(), t.bytes.size());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t e = 0; e < E; ++e) out[(p * B + b) * E + e] = in[(b * P + p) * E + e];
+    return Floats({P, B, E}, out);
+  };
+  const AttentionResult batch_first = Run(Basic());
+  Owned q = transpose(q_), k = transpose(k_), v = transpose(v_);
+  AttentionArgs a = Basic();
+  a.query = q.view();
+  a.key = k.view();
+  a.value = v.view();
+  a.layout = Layout::kSequenceFirst;
+  const AttentionResult seq_first = Run(a);
+  ASSERT_EQ(seq_first.output.shape, (std::vector<int64_t>{3, 2, 8}));
+  Owned back = transpose(Floats(seq_first.output.shape, seq_first.output.data));
+  std::vector<float> back_values(back.bytes.size() / 4);
+  std::memcpy(back_values.data(), back.bytes.data(), back.bytes.size());
+  ExpectNear(back_values, batch_first.output.data, 1e-6f);
+  EXPECT_EQ(seq_first.weights.data, batch_first.weights.data);  // weights stay batch-first
+}
+
+TEST_F(EngineTest, HalfPrecisionInputsEqualTheirFloatValues) {
+  auto to16 = [](const Owned& t, DType dtype) {
+    std::vector<float> f(t.bytes.size() / 4);
+    std::memcpy(f.data(), t.bytes.data(), t.bytes.size());
+    std::vector<uint16_t> h(f.size());
+    std::vector<float> rounded(f.size());
+    for (size_t i = 0; i < f.size(); ++i) {
+      h[i] = dtype == DType::kBFloat16 ? FloatToBFloat16(f[i]) : FloatToFloat16(f[i]);
+      rounded[i] = dtype == DType::kBFloat16 ? BFloat16ToFloat(h[i]) : Float16ToFloat(h[i]);
+    }
+    return std::make_pair(Make(dtype, t.shape, h), Floats(t.shape, rounded));
+  };
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    auto [q16, qf] = to16(q_, dtype);
+    AttentionArgs a = Basic();
+    a.query = q16.view();
+    const AttentionResult half = Run(a);
+    a.query = qf.view();
+    EXPECT_EQ(half.output.data, Run(a).output.data) << DTypeName(dtype);
+  }
+}
+
+TEST_F(EngineTest, Int32ValidLensEqualInt64) {
+  Owned lens64 = Make<int64_t>(DType::kInt64, {2}, {2, 4});
+  Owned lens32 = Make<int32_t>(DType::kInt32, {2}, {2, 4});
+  AttentionArgs a = Basic();
+  a.mask.valid_lens = lens64.view();
+  const AttentionResult r64 = Run(a);
+  a.mask.valid_lens = lens32.view();
+  EXPECT_EQ(Run(a).weights.data, r64.weights.data);
+  EXPECT_EQ(r64.weights.data[4], 0.0f);  // b0 h0 i0 j4 is past len 2
+}
+
+TEST_F(EngineTest, PerHeadBoolMaskMasksOnlyItsHead) {
+  std::vector<uint8_t> mask(2 * 2 * 3 * 5, 0);
+  mask[(0 * 2 + 1) * 15 + 0 * 5 + 3] = 1;  // b0, h1, i0, j3
+  Owned m = Make(DType::kBool, {2, 2, 3, 5}, mask);
+  AttentionArgs a = Basic();
+  a.mask.attn_mask = m.view();
+  const AttentionResult r = Run(a);
+  EXPECT_EQ(r.weights.data[(0 * 2 + 1) * 15 + 3], 0.0f);
+  EXPECT_GT(r.weights.data[(0 * 2 + 0) * 15 + 3], 0.0f);
+}
+
+TEST_F(EngineTest, BroadcastAttnMaskColumnAppliesToEveryRow) {
+  Owned m = Make<uint8_t>(DType::kBool, {1, 5}, {0, 1, 0, 0, 1});
+  AttentionArgs a = Basic();
+  a.mask.attn_mask = m.view();
+  const AttentionResult r = Run(a);
+  for (size_t row = 0; row < r.weights.data.size() / 5; ++row) {
+    EXPECT_EQ(r.weights.data[row * 5 + 1], 0.0f) << "row " << row;
+    EXPECT_EQ(r.weights.data[row * 5 + 4], 0.0f) << "row " << row;
+  }
+}
+
+TEST_F(EngineTest, FloatMaskOfMinusInfinityGivesAZeroRow) {
+  const float inf = std::numeric_limits<float>::infinity();
+  Owned m = Floats({2, 5}, {-inf, -inf, -inf, -inf, -inf, 0, 0, 0, 0, 0});
+  AttentionArgs a = Basic();
+  a.mask.key_padding_mask = m.view();
+  const AttentionResult r = Run(a);
+  for (int i = 0; i < 2 * 3 * 5; ++i) EXPECT_EQ(r.weights.data[i], 0.0f);  // batch 0
+  for (int i = 0; i < 3 * 8; ++i) EXPECT_EQ(r.output.data[i], 0.0f);
+  EXPECT_NE(r.output.data[3 * 8], 0.0f);
+}
+
+TEST_F(EngineTest, NoWeightsUnlessAsked) {
+  AttentionArgs a = Basic();
+  a.need_weights = false;
+  const AttentionResult r = Run(a);
+  EXPECT_TRUE(r.weights.shape.empty());
+  EXPECT_TRUE(r.weights.data.empty());
+  EXPECT_EQ(r.output.shape, (std::vector<int64_t>{2, 3, 8}));
+}
+
+TEST_F(EngineTest, RejectsMismatchedHeadDim) {
+  Owned k = Random({2, 5, 6}, 4);
+  AttentionArgs a = Basic();
+  a.key = k.view();
+  a.num_heads = 1;
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "key: head dim 6"));
+}
+
+TEST_F(EngineTest, RejectsValidLensBeyondKeyLength) {
+  Owned lens = Make<int64_t>(DType::kInt64, {2}, {2, 6});
+  AttentionArgs a = Basic();
+  a.mask.valid_lens = lens.view();
+  EXPECT_THAT(engine_->Attend(a),
+              StatusIs(absl::StatusCode::kInvalidArgument, "mask.valid_lens: element 1 is 6"));
+}
+
+TEST_F(EngineTest, RejectsScoreParameterTheKindDoesNotUse) {
+  Owned w = Random({4, 4}, 5);
+  AttentionArgs a = Basic();
+  a.score.w = w.view();
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "score.w"));
+}
+
+TEST_F(EngineTest, RejectsDropoutOutsideUnitInterval) {
+  AttentionArgs a = Basic();
+  a.dropout_p = 1.5;
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "dropout_p"));
+  a.dropout_p = std::nan("");
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "dropout_p"));
+}
+
+TEST_F(EngineTest, RejectsShapeWhoseProductOverflows) {
+  Owned q = Floats({int64_t{1} << 40, int64_t{1} << 40, int64_t{1} << 40}, {1.0f});
+  AttentionArgs a;
+  a.query = q.view();
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "query: shape"));
+}
+
+TEST_F(EngineTest, EnforcesTheScoreElementLimit) {
+  auto small = Engine::Create(EngineOptions{.max_score_elements = 10});
+  ASSERT_TRUE(small.ok());
+  EXPECT_THAT((*small)->Attend(Basic()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "B*H*L*S = 2*2*3*5"));
+}
+
+TEST_F(EngineTest, EnforcesTheTensorElementLimit) {
+  auto small = Engine::Create(EngineOptions{.max_tensor_elements = 40});
+  ASSERT_TRUE(small.ok());
+  EXPECT_THAT((*small)->Attend(Basic()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "query: 48 elements"));
+}
+
+}  // namespace
+}  // namespace attention
