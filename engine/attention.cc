@@ -47,6 +47,10 @@ const char* DTypeName(DType dtype) {
 
 namespace internal {
 
+bool IsFloat(DType d) {
+  return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
+}
+
 std::string ShapeString(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) absl::StrAppend(&s, i ? ", " : "", shape[i]);
@@ -146,38 +150,6 @@ double EffectiveScale(const ScoreSpec& score, int64_t query_dim) {
   return 1.0;
 }
 
-}  // namespace internal
-
-namespace {
-
-using internal::ShapeString;
-
-bool IsFloat(DType d) {
-  return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
-}
-
-const char* ScoreName(ScoreKind kind) {
-  switch (kind) {
-    case ScoreKind::kScaledDot:
-      return "SCALED_DOT";
-    case ScoreKind::kDot:
-      return "DOT";
-    case ScoreKind::kAdditive:
-      return "ADDITIVE";
-    case ScoreKind::kBilinear:
-      return "BILINEAR";
-    case ScoreKind::kCosine:
-      return "COSINE";
-    case ScoreKind::kNegEuclidean:
-      return "NEG_EUCLIDEAN";
-    case ScoreKind::kGaussian:
-      return "GAUSSIAN";
-  }
-  return "UNKNOWN";
-}
-
-enum class Allowed { kFloat, kFloatOrBool, kInteger };
-
 // Checks dtype, rank, dims >= 1, overflow and byte count of a present view.
 absl::Status CheckView(const TensorView& v, const std::string& field, Allowed allowed,
                        std::initializer_list<size_t> ranks) {
@@ -230,6 +202,34 @@ absl::Status CheckView(const TensorView& v, const std::string& field, Allowed al
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace internal
+
+namespace {
+
+using internal::Allowed;
+using internal::CheckView;
+using internal::ShapeString;
+
+const char* ScoreName(ScoreKind kind) {
+  switch (kind) {
+    case ScoreKind::kScaledDot:
+      return "SCALED_DOT";
+    case ScoreKind::kDot:
+      return "DOT";
+    case ScoreKind::kAdditive:
+      return "ADDITIVE";
+    case ScoreKind::kBilinear:
+      return "BILINEAR";
+    case ScoreKind::kCosine:
+      return "COSINE";
+    case ScoreKind::kNegEuclidean:
+      return "NEG_EUCLIDEAN";
+    case ScoreKind::kGaussian:
+      return "GAUSSIAN";
+  }
+  return "UNKNOWN";
 }
 
 // `got` must equal `want`, or be 1 when `broadcast` allows it.
@@ -301,7 +301,12 @@ absl::Status CheckScore(const ScoreSpec& s, const AttentionShape& shape) {
 }
 
 absl::Status CheckMasks(const MaskSpec& m, const AttentionShape& shape) {
-  const int64_t B = shape.batch, H = shape.heads, L = shape.query_len, S = shape.key_len;
+  const int64_t B = shape.batch, H = shape.heads, L = shape.query_len;
+  const int64_t S = shape.key_len - m.unmasked_tail;
+  if (m.unmasked_tail < 0 || S < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("mask: unmasked_tail ", m.unmasked_tail,
+                                                   " is outside [0, S = ", shape.key_len, "]"));
+  }
   if (m.valid_lens.present()) {
     const std::string f = "mask.valid_lens";
     ATTN_RETURN_IF_ERROR(CheckView(m.valid_lens, f, Allowed::kInteger, {1, 2}));

@@ -68,6 +68,10 @@ struct MaskSpec {
   TensorView key_padding_mask;
   TensorView attn_mask;
   Causal causal = Causal::kNone;
+  // The last `unmasked_tail` keys are never masked (the keys that
+  // add_bias_kv / add_zero_attn append); masks are shaped for the S - unmasked_tail
+  // keys before them.
+  int64_t unmasked_tail = 0;
 };
 
 // One attention call; the semantics are those of README "Semantics".

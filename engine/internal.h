@@ -4,6 +4,7 @@
 // Engine-private helpers shared by the backends. Not part of the public API.
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,16 @@ std::string ShapeString(const std::vector<int64_t>& shape);
 // Product of `shape`, or INVALID_ARGUMENT naming `field` when it overflows int64.
 absl::StatusOr<int64_t> CheckedElementCount(const std::vector<int64_t>& shape,
                                             const std::string& field);
+
+bool IsFloat(DType dtype);
+
+enum class Allowed { kFloat, kFloatOrBool, kInteger };
+
+// Checks a present view: dtype allowed, rank one of `ranks`, every dim >= 1,
+// no overflow, byte count equal to shape x dtype, BOOL elements 0 or 1.
+// INVALID_ARGUMENT names `field`.
+absl::Status CheckView(const TensorView& view, const std::string& field, Allowed allowed,
+                       std::initializer_list<size_t> ranks);
 
 // Elements of a float view (FLOAT32, BFLOAT16 or FLOAT16) as float32.
 // The view must already have passed ResolveShape.

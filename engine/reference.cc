@@ -28,7 +28,8 @@ std::vector<int64_t> BroadcastStrides(const std::vector<int64_t>& shape, size_t 
 // Every mask of a call, evaluated per (b, h, i, j).
 class Masks {
  public:
-  Masks(const MaskSpec& m, const AttentionShape& s) : causal_(m.causal), shape_(s) {
+  Masks(const MaskSpec& m, const AttentionShape& s)
+      : causal_(m.causal), query_len_(s.query_len), masked_keys_(s.key_len - m.unmasked_tail) {
     if (m.valid_lens.present()) {
       lens_ = LoadInts(m.valid_lens);
       lens_per_row_ = m.valid_lens.shape.size() == 2;
@@ -48,10 +49,9 @@ class Masks {
 
   // The additive bias for (b, h, i, j); -inf when masked out.
   double Bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (j >= masked_keys_) return 0.0;
     if (causal_ == Causal::kTopLeft && j > i) return kNegInf;
-    if (causal_ == Causal::kBottomRight && j > i + (shape_.key_len - shape_.query_len)) {
-      return kNegInf;
-    }
+    if (causal_ == Causal::kBottomRight && j > i + (masked_keys_ - query_len_)) return kNegInf;
     if (!lens_.empty()) {
       int64_t len = lens_[b * lens_batch_stride_ + (lens_per_row_ ? i : 0)];
       if (j >= len) return kNegInf;
@@ -92,7 +92,8 @@ class Masks {
   }
 
   Causal causal_;
-  AttentionShape shape_;
+  int64_t query_len_;
+  int64_t masked_keys_;
   std::vector<int64_t> lens_;
   bool lens_per_row_ = false;
   int64_t lens_batch_stride_ = 0;

@@ -154,6 +154,28 @@ AttentionArgs ToEngineArgs(const GoldenCase& c) {
   return a;
 }
 
+MultiheadConfig MultiheadConfigOf(const GoldenCase& c) {
+  const auto& m = c.multihead;
+  MultiheadConfig config;
+  config.embed_dim = m.at("embed_dim").get<int64_t>();
+  config.num_heads = m.at("num_heads").get<int64_t>();
+  config.kdim = m.value("kdim", int64_t{0});
+  config.vdim = m.value("vdim", int64_t{0});
+  config.bias = m.value("bias", true);
+  config.add_bias_kv = m.value("add_bias_kv", false);
+  config.add_zero_attn = m.value("add_zero_attn", false);
+  return config;
+}
+
+StateDict StateDictOf(const GoldenCase& c) {
+  StateDict dict;
+  for (const auto& [key, value] : c.multihead.at("state_dict").items()) {
+    GoldenTensor t = ParseTensor(value);
+    dict[key] = Tensor{t.shape, std::vector<float>(t.values.begin(), t.values.end())};
+  }
+  return dict;
+}
+
 ::testing::AssertionResult AllClose(const std::vector<int64_t>& got_shape,
                                     const std::vector<float>& got, const GoldenTensor& want,
                                     double atol, double rtol) {

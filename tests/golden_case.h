@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine/attention.h"
+#include "engine/multihead.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -57,6 +58,11 @@ std::vector<std::string> GoldenCaseNames(std::string_view kind);
 GoldenCase LoadGoldenCase(const std::string& name);
 // Engine arguments whose views point into `c`; `c` must outlive them.
 AttentionArgs ToEngineArgs(const GoldenCase& c);
+
+// The layer config of a "multihead" case.
+MultiheadConfig MultiheadConfigOf(const GoldenCase& c);
+// Its state_dict as float tensors.
+StateDict StateDictOf(const GoldenCase& c);
 
 // |got - want| <= atol + rtol * |want| element-wise, and equal shapes.
 ::testing::AssertionResult AllClose(const std::vector<int64_t>& got_shape,

@@ -1,0 +1,232 @@
+#include "engine/multihead.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "engine/internal.h"
+#include "engine/status_macros.h"
+
+namespace attention {
+namespace {
+
+using internal::ShapeString;
+
+// y[r, o] = sum_i x[r, i] * w[o, i] + b[o], double accumulation (torch's Linear).
+std::vector<float> Linear(const std::vector<float>& x, int64_t in, const float* w,
+                          const float* b, int64_t out) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / in;
+  std::vector<float> y(static_cast<size_t>(rows * out));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data() + r * in;
+    for (int64_t o = 0; o < out; ++o) {
+      const float* wo = w + o * in;
+      double acc = b ? b[o] : 0.0;
+      for (int64_t i = 0; i < in; ++i) acc += double{xr[i]} * wo[i];
+      y[r * out + o] = static_cast<float>(acc);
+    }
+  }
+  return y;
+}
+
+// Appends `rows` (each `dim` floats, one set per batch entry) after the
+// `len` positions of every batch entry of a [B, len, dim] / [len, B, dim] tensor.
+std::vector<float> AppendPositions(const std::vector<float>& x, Layout layout, int64_t batch,
+                                   int64_t len, int64_t dim,
+                                   const std::vector<const float*>& rows) {
+  const int64_t extra = static_cast<int64_t>(rows.size());
+  const int64_t new_len = len + extra;
+  std::vector<float> y(static_cast<size_t>(batch * new_len * dim));
+  auto offset = [&](int64_t b, int64_t j, int64_t n) {
+    return (layout == Layout::kBatchFirst ? b * n + j : j * batch + b) * dim;
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < new_len; ++j) {
+      const float* src = j < len ? x.data() + offset(b, j, len) : rows[j - len];
+      std::memcpy(y.data() + offset(b, j, new_len), src, dim * sizeof(float));
+    }
+  }
+  return y;
+}
+
+TensorView ViewOf(const std::vector<float>& data, std::vector<int64_t> shape) {
+  return TensorView{DType::kFloat32, std::move(shape), data.data(), data.size() * sizeof(float)};
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> MultiheadAttention::ExpectedWeights(
+    const MultiheadConfig& c) {
+  const int64_t e = c.embed_dim;
+  const int64_t kdim = c.kdim ? c.kdim : e, vdim = c.vdim ? c.vdim : e;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> keys;
+  if (kdim == e && vdim == e) {
+    keys.push_back({"in_proj_weight", {3 * e, e}});
+  } else {
+    keys.push_back({"q_proj_weight", {e, e}});
+    keys.push_back({"k_proj_weight", {e, kdim}});
+    keys.push_back({"v_proj_weight", {e, vdim}});
+  }
+  if (c.bias) keys.push_back({"in_proj_bias", {3 * e}});
+  if (c.add_bias_kv) {
+    keys.push_back({"bias_k", {1, 1, e}});
+    keys.push_back({"bias_v", {1, 1, e}});
+  }
+  keys.push_back({"out_proj.weight", {e, e}});
+  if (c.bias) keys.push_back({"out_proj.bias", {e}});
+  return keys;
+}
+
+absl::StatusOr<std::unique_ptr<MultiheadAttention>> MultiheadAttention::Create(
+    const MultiheadConfig& config, StateDict weights) {
+  if (config.embed_dim < 1 || config.num_heads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("embed_dim ", config.embed_dim,
+                                                   " and num_heads ", config.num_heads,
+                                                   " must both be >= 1"));
+  }
+  if (config.embed_dim % config.num_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("num_heads ", config.num_heads,
+                                                   " does not divide embed_dim ",
+                                                   config.embed_dim));
+  }
+  if (config.kdim < 0 || config.vdim < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kdim ", config.kdim, " and vdim ", config.vdim, " must be >= 0"));
+  }
+  const ScoreSpec& s = config.score;
+  if (s.w_q.present() || s.w_k.present() || s.w_v.present() || s.w.present() ||
+      s.kind == ScoreKind::kAdditive || s.kind == ScoreKind::kBilinear) {
+    return absl::InvalidArgumentError(
+        "score: a model's score must be parameter-free (SCALED_DOT, DOT, COSINE, "
+        "NEG_EUCLIDEAN or GAUSSIAN)");
+  }
+  const auto expected = ExpectedWeights(config);
+  for (const auto& [key, shape] : expected) {
+    auto it = weights.find(key);
+    if (it == weights.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("missing weight \"", key, "\" of shape ", ShapeString(shape)));
+    }
+    if (it->second.shape != shape) {
+      return absl::InvalidArgumentError(absl::StrCat("weight \"", key, "\" has shape ",
+                                                     ShapeString(it->second.shape), "; want ",
+                                                     ShapeString(shape)));
+    }
+    ATTN_ASSIGN_OR_RETURN(int64_t n, internal::CheckedElementCount(shape, key));
+    if (static_cast<int64_t>(it->second.data.size()) != n) {
+      return absl::InvalidArgumentError(absl::StrCat("weight \"", key, "\" has ",
+                                                     it->second.data.size(),
+                                                     " elements; its shape needs ", n));
+    }
+  }
+  for (const auto& [key, tensor] : weights) {
+    bool known = std::any_of(expected.begin(), expected.end(),
+                             [&](const auto& e) { return e.first == key; });
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unexpected weight \"", key, "\" of shape ", ShapeString(tensor.shape),
+          " (not used by a layer with this config)"));
+    }
+  }
+  return std::unique_ptr<MultiheadAttention>(
+      new MultiheadAttention(config, std::move(weights)));
+}
+
+const Tensor* MultiheadAttention::Find(const std::string& key) const {
+  auto it = weights_.find(key);
+  return it == weights_.end() ? nullptr : &it->second;
+}
+
+absl::StatusOr<AttentionResult> MultiheadAttention::Forward(const Engine& engine,
+                                                            const AttentionArgs& args) const {
+  const MultiheadConfig& c = config_;
+  const int64_t e = c.embed_dim;
+  const int64_t kdim = c.kdim ? c.kdim : e, vdim = c.vdim ? c.vdim : e;
+  if (args.num_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_heads: the model has ", c.num_heads, " heads; leave num_heads unset"));
+  }
+  const ScoreSpec& s = args.score;
+  if (s.kind != ScoreKind::kScaledDot || s.scale || s.bandwidth || s.w_q.present() ||
+      s.w_k.present() || s.w_v.present() || s.w.present()) {
+    return absl::InvalidArgumentError("score: the model sets the score; leave score unset");
+  }
+  if (!args.query.present()) return absl::InvalidArgumentError("query: is required");
+  const TensorView& q = args.query;
+  const TensorView& k = args.key.present() ? args.key : q;
+  const TensorView& v = args.value.present() ? args.value : k;
+  struct Input {
+    const char* field;
+    const TensorView& view;
+    int64_t dim;
+    const char* dim_name;
+    bool given;
+  } inputs[] = {{"query", q, e, "embed_dim", true},
+                {"key", k, kdim, "kdim", args.key.present()},
+                {"value", v, vdim, "vdim", args.value.present()}};
+  for (const auto& in : inputs) {
+    ATTN_RETURN_IF_ERROR(internal::CheckView(in.view, in.field, internal::Allowed::kFloat, {3}));
+    if (in.view.shape[2] != in.dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          in.field, ": last dim ", in.view.shape[2], " does not match the model's ", in.dim_name,
+          " ", in.dim, in.given ? "" : " (it defaults to the previous input; pass it)"));
+    }
+  }
+  const bool bf = args.layout == Layout::kBatchFirst;
+  const int64_t kb = k.shape[bf ? 0 : 1], ks = k.shape[bf ? 1 : 0];
+  const int64_t vb = v.shape[bf ? 0 : 1], vs = v.shape[bf ? 1 : 0];
+  if (kb != vb || ks != vs) {
+    return absl::InvalidArgumentError(absl::StrCat("value: shape ", ShapeString(v.shape),
+                                                   " does not match key's batch and length ",
+                                                   ShapeString(k.shape)));
+  }
+
+  const bool packed = Find("in_proj_weight") != nullptr;
+  const float* in_w = packed ? Find("in_proj_weight")->data.data() : nullptr;
+  const float* wq = packed ? in_w : Find("q_proj_weight")->data.data();
+  const float* wk = packed ? in_w + e * e : Find("k_proj_weight")->data.data();
+  const float* wv = packed ? in_w + 2 * e * e : Find("v_proj_weight")->data.data();
+  const Tensor* in_b = Find("in_proj_bias");
+  const float* bq = in_b ? in_b->data.data() : nullptr;
+  const float* bk = in_b ? bq + e : nullptr;
+  const float* bv = in_b ? bq + 2 * e : nullptr;
+
+  std::vector<float> pq = Linear(internal::LoadFloats(q), e, wq, bq, e);
+  std::vector<float> pk = Linear(internal::LoadFloats(k), kdim, wk, bk, e);
+  std::vector<float> pv = Linear(internal::LoadFloats(v), vdim, wv, bv, e);
+
+  std::vector<const float*> extra_k, extra_v;
+  const std::vector<float> zeros(e, 0.0f);
+  if (c.add_bias_kv) {
+    extra_k.push_back(Find("bias_k")->data.data());
+    extra_v.push_back(Find("bias_v")->data.data());
+  }
+  if (c.add_zero_attn) {
+    extra_k.push_back(zeros.data());
+    extra_v.push_back(zeros.data());
+  }
+  const int64_t tail = static_cast<int64_t>(extra_k.size());
+  if (tail > 0) {
+    pk = AppendPositions(pk, args.layout, kb, ks, e, extra_k);
+    pv = AppendPositions(pv, args.layout, kb, ks, e, extra_v);
+  }
+  const std::vector<int64_t> kv_shape =
+      bf ? std::vector<int64_t>{kb, ks + tail, e} : std::vector<int64_t>{ks + tail, kb, e};
+
+  AttentionArgs inner = args;
+  inner.query = ViewOf(pq, {q.shape[0], q.shape[1], e});
+  inner.key = ViewOf(pk, kv_shape);
+  inner.value = ViewOf(pv, kv_shape);
+  inner.num_heads = c.num_heads;
+  inner.score = c.score;
+  inner.mask.unmasked_tail = tail;
+  ATTN_ASSIGN_OR_RETURN(AttentionResult result, engine.Attend(inner));
+
+  const Tensor* out_b = Find("out_proj.bias");
+  result.output.data = Linear(result.output.data, e, Find("out_proj.weight")->data.data(),
+                              out_b ? out_b->data.data() : nullptr, e);
+  return result;
+}
+
+}  // namespace attention
