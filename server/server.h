@@ -13,6 +13,8 @@ namespace attention {
 struct ServerOptions {
   // HOST:PORT; port 0 picks a free port (see AttentionServer::port()).
   std::string listen = "127.0.0.1:50051";
+  // Largest request or response; below 1 is INVALID_ARGUMENT from Create, above
+  // 2047 is capped at gRPC's limit of 2 GiB - 1 bytes.
   int64_t max_message_mb = 256;
   EngineOptions engine;
 };

@@ -1,0 +1,117 @@
+#include "client/attention_client.h"
+
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "grpcpp/support/status.h"
+
+namespace attention::client {
+namespace {
+
+constexpr int64_t kMaxMessageMb = std::numeric_limits<int>::max() / (int64_t{1} << 20);
+
+absl::Status ToAbslStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+void PrepareContext(const ClientOptions& options, grpc::ClientContext* context) {
+  if (options.timeout > absl::ZeroDuration() && options.timeout != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
+  }
+  if (!options.bearer_token.empty()) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", options.bearer_token));
+  }
+}
+
+// Runs one unary call of `method` on `stub` with the options' deadline and token.
+template <typename Response, typename Stub, typename Method, typename Request>
+absl::StatusOr<Response> Call(const ClientOptions& options, Stub& stub, Method method,
+                              const Request& request) {
+  grpc::ClientContext context;
+  PrepareContext(options, &context);
+  Response response;
+  grpc::Status status = (stub.*method)(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
+    const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("target is empty");
+  if (options.max_message_mb < 1 || options.max_message_mb > kMaxMessageMb) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_mb is ", options.max_message_mb,
+                                                   ", must be in [1, ", kMaxMessageMb, "]"));
+  }
+  grpc::ChannelArguments args;
+  const int max_bytes = static_cast<int>(options.max_message_mb << 20);
+  args.SetMaxSendMessageSize(max_bytes);
+  args.SetMaxReceiveMessageSize(max_bytes);
+  args.SetLoadBalancingPolicyName("round_robin");
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (channel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to ", options.target));
+  }
+  return std::unique_ptr<AttentionClient>(new AttentionClient(options, std::move(channel)));
+}
+
+AttentionClient::AttentionClient(const ClientOptions& options,
+                                 std::shared_ptr<grpc::Channel> channel)
+    : options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::AttentionService::NewStub(channel_)) {}
+
+absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request) {
+  return Call<v1::AttendResponse>(options_, *stub_, &v1::AttentionService::Stub::Attend, request);
+}
+
+absl::StatusOr<v1::ServerInfo> AttentionClient::GetServerInfo() {
+  return Call<v1::ServerInfo>(options_, *stub_, &v1::AttentionService::Stub::GetServerInfo,
+                              v1::GetServerInfoRequest());
+}
+
+absl::StatusOr<v1::ListModelsResponse> AttentionClient::ListModels() {
+  return Call<v1::ListModelsResponse>(options_, *stub_, &v1::AttentionService::Stub::ListModels,
+                                      v1::ListModelsRequest());
+}
+
+absl::StatusOr<v1::GetModelResponse> AttentionClient::GetModel(const std::string& name) {
+  v1::GetModelRequest request;
+  request.set_name(name);
+  return Call<v1::GetModelResponse>(options_, *stub_, &v1::AttentionService::Stub::GetModel,
+                                    request);
+}
+
+absl::StatusOr<std::string> AttentionClient::Health(const std::string& service) {
+  using grpc::health::v1::HealthCheckResponse;
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  std::unique_ptr<grpc::health::v1::Health::Stub> health =
+      grpc::health::v1::Health::NewStub(channel_);
+  absl::StatusOr<HealthCheckResponse> response =
+      Call<HealthCheckResponse>(options_, *health, &grpc::health::v1::Health::Stub::Check, request);
+  if (!response.ok()) return response.status();
+  const std::string& name = HealthCheckResponse::ServingStatus_Name(response->status());
+  if (name.empty()) return absl::StrCat("UNKNOWN_STATUS_", response->status());
+  return name;
+}
+
+}  // namespace attention::client

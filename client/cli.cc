@@ -1,0 +1,319 @@
+#include "client/cli.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <iostream>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "client/attention_client.h"
+#include "client/tensors.h"
+#include "engine/status_macros.h"
+#include "google/protobuf/message.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace attention::client {
+namespace {
+
+constexpr absl::string_view kUsage =
+    R"(usage: attention_cli [flags] COMMAND
+
+commands:
+  call [FILE|-]     send an AttendRequest written in protobuf JSON (from FILE,
+                    or standard input for "-" or no FILE); print the response
+  health            print the server's grpc.health.v1 status; exit 0 only if SERVING
+  info              print GetServerInfo
+  models            print ListModels
+  model NAME        print GetModel for NAME
+
+flags:
+  --target HOST:PORT    server address, any gRPC target (default 127.0.0.1:50051)
+  --timeout DURATION    deadline of each call, e.g. 30s, 500ms (default 30s)
+  --token TOKEN         send "authorization: Bearer TOKEN"
+  --max_message_mb N    largest message sent or received (default 256)
+  --raw                 call: keep output/weights as base64 `data` instead of
+                        converting them to `float_data`
+  --service NAME        health: the service to check (default: the whole server)
+  --help                print this text
+
+exit codes: 0 ok, 1 the call failed (one line "error: CODE: message" on
+stderr) or health is not SERVING, 2 bad command line
+)";
+
+struct Flag {
+  absl::string_view name;
+  bool takes_value;
+};
+
+constexpr Flag kFlags[] = {
+    {"target", true},  {"timeout", true}, {"token", true}, {"max_message_mb", true},
+    {"service", true}, {"raw", false},    {"help", false},
+};
+
+std::optional<Flag> FindFlag(absl::string_view name) {
+  for (const Flag& flag : kFlags) {
+    if (flag.name == name) return flag;
+  }
+  return std::nullopt;
+}
+
+absl::Status SetFlag(absl::string_view name, const std::string& value, CliCommand* command) {
+  if (name == "target") {
+    if (value.empty()) return absl::InvalidArgumentError("--target is empty");
+    command->client.target = value;
+  } else if (name == "timeout") {
+    absl::Duration timeout;
+    if (!absl::ParseDuration(value, &timeout) || timeout < absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--timeout: \"", value, "\" is not a non-negative duration such as 30s or 500ms"));
+    }
+    command->client.timeout = timeout;
+  } else if (name == "token") {
+    command->client.bearer_token = value;
+  } else if (name == "max_message_mb") {
+    int64_t mb;
+    if (!absl::SimpleAtoi(value, &mb) || mb < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--max_message_mb: \"", value, "\" is not a positive integer"));
+    }
+    command->client.max_message_mb = mb;
+  } else if (name == "service") {
+    command->service = value;
+  } else if (name == "raw") {
+    command->raw = true;
+  } else if (name == "help") {
+    command->help = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPositionals(const std::vector<std::string>& positionals, CliCommand* command) {
+  if (positionals.empty()) return absl::InvalidArgumentError("no command given");
+  command->command = positionals[0];
+  const size_t operands = positionals.size() - 1;
+  auto too_many = [&](size_t allowed) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        command->command, " takes ", allowed, allowed == 1 ? " argument" : " arguments", ", got ",
+        operands, ": unexpected \"", positionals[allowed + 1], "\""));
+  };
+  if (command->command == "call") {
+    if (operands > 1) return too_many(1);
+    if (operands == 1) command->input = positionals[1];
+  } else if (command->command == "model") {
+    if (operands > 1) return too_many(1);
+    if (operands == 0) return absl::InvalidArgumentError("model needs a NAME");
+    command->model = positionals[1];
+  } else if (command->command == "health" || command->command == "info" ||
+             command->command == "models") {
+    if (operands > 0) return too_many(0);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown command \"", command->command,
+                                                   "\" (call, health, info, models or model)"));
+  }
+  return absl::OkStatus();
+}
+
+// The lines of `text`, trimmed and joined with single spaces.
+std::string OneLine(absl::string_view text) {
+  std::vector<absl::string_view> lines;
+  for (absl::string_view line : absl::StrSplit(text, absl::ByAnyChar("\r\n"))) {
+    line = absl::StripAsciiWhitespace(line);
+    if (!line.empty()) lines.push_back(line);
+  }
+  return absl::StrJoin(lines, " ");
+}
+
+void PrintError(const absl::Status& status, std::ostream& err) {
+  err << "error: " << absl::StatusCodeToString(status.code()) << ": " << OneLine(status.message())
+      << "\n";
+}
+
+absl::StatusOr<std::string> ReadInput(const std::string& input, std::istream& in) {
+  if (input == "-") {
+    std::string text(std::istreambuf_iterator<char>(in), {});
+    if (in.bad()) return absl::DataLossError("cannot read standard input");
+    return text;
+  }
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(input.c_str(), "rb"),
+                                                       &std::fclose);
+  if (file == nullptr) return absl::ErrnoToStatus(errno, absl::StrCat("cannot open ", input));
+  std::string text;
+  char buffer[1 << 16];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof buffer, file.get())) > 0) text.append(buffer, n);
+  if (std::ferror(file.get())) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("cannot read ", input));
+  }
+  return text;
+}
+
+absl::StatusOr<v1::AttendRequest> ParseRequest(const std::string& input, const std::string& text) {
+  const std::string source = input == "-" ? "standard input" : input;
+  if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, " is empty; expected an AttendRequest in JSON"));
+  }
+  v1::AttendRequest request;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  const auto status = google::protobuf::util::JsonStringToMessage(text, &request, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": not an AttendRequest in JSON: ", std::string(status.message())));
+  }
+  return request;
+}
+
+absl::Status PrintJson(const google::protobuf::Message& message, std::ostream& out) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  const auto status = google::protobuf::util::MessageToJsonString(message, &json, options);
+  if (!status.ok()) {
+    return absl::InternalError(
+        absl::StrCat("cannot print the answer as JSON: ", std::string(status.message())));
+  }
+  if (json.empty() || json.back() != '\n') json.push_back('\n');
+  out << json;
+  return absl::OkStatus();
+}
+
+absl::Status ExpandForReading(const char* field, v1::Tensor* tensor) {
+  absl::Status status = ExpandToFloatData(tensor);
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat("response ", field, ": ", status.message()));
+}
+
+// The request is read and parsed before connecting, so a bad file fails fast.
+absl::Status RunCall(const CliCommand& command, std::istream& in, std::ostream& out) {
+  ATTN_ASSIGN_OR_RETURN(std::string text, ReadInput(command.input, in));
+  ATTN_ASSIGN_OR_RETURN(v1::AttendRequest request, ParseRequest(command.input, text));
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<AttentionClient> client,
+                        AttentionClient::Create(command.client));
+  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse response, client->Attend(request));
+  if (!command.raw) {
+    if (response.has_output()) {
+      ATTN_RETURN_IF_ERROR(ExpandForReading("output", response.mutable_output()));
+    }
+    if (response.has_weights()) {
+      ATTN_RETURN_IF_ERROR(ExpandForReading("weights", response.mutable_weights()));
+    }
+  }
+  return PrintJson(response, out);
+}
+
+// Runs a parsed command; OK with *serving = false for a health status other
+// than SERVING.
+absl::Status RunCommand(const CliCommand& command, std::istream& in, std::ostream& out,
+                        bool* serving) {
+  if (command.command == "call") return RunCall(command, in, out);
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<AttentionClient> client,
+                        AttentionClient::Create(command.client));
+  if (command.command == "health") {
+    ATTN_ASSIGN_OR_RETURN(std::string status, client->Health(command.service));
+    out << status << "\n";
+    *serving = status == "SERVING";
+    return absl::OkStatus();
+  }
+  if (command.command == "info") {
+    ATTN_ASSIGN_OR_RETURN(v1::ServerInfo info, client->GetServerInfo());
+    return PrintJson(info, out);
+  }
+  if (command.command == "models") {
+    ATTN_ASSIGN_OR_RETURN(v1::ListModelsResponse models, client->ListModels());
+    return PrintJson(models, out);
+  }
+  ATTN_ASSIGN_OR_RETURN(v1::GetModelResponse model, client->GetModel(command.model));
+  return PrintJson(model, out);
+}
+
+}  // namespace
+
+absl::StatusOr<CliCommand> ParseCliArgs(const std::vector<std::string>& args) {
+  CliCommand command;
+  std::vector<std::string> positionals;
+  bool flags_done = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (flags_done || arg == "-" || arg.size() < 2 || arg[0] != '-') {
+      positionals.push_back(arg);
+      continue;
+    }
+    if (arg == "--") {
+      flags_done = true;
+      continue;
+    }
+    if (arg == "-h") {
+      command.help = true;
+      continue;
+    }
+    absl::string_view body(arg);
+    if (!absl::ConsumePrefix(&body, "--")) body.remove_prefix(1);
+    const size_t equals = body.find('=');
+    const absl::string_view name = body.substr(0, equals);
+    const std::optional<Flag> flag = FindFlag(name);
+    if (!flag.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag \"", arg, "\""));
+    }
+    std::string value;
+    if (equals != absl::string_view::npos) {
+      if (!flag->takes_value) {
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " takes no value"));
+      }
+      value = std::string(body.substr(equals + 1));
+    } else if (flag->takes_value) {
+      if (i + 1 == args.size()) {
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      }
+      value = args[++i];
+    }
+    ATTN_RETURN_IF_ERROR(SetFlag(name, value, &command));
+  }
+  if (command.help) return command;
+  ATTN_RETURN_IF_ERROR(CheckPositionals(positionals, &command));
+  if (!command.service.empty() && command.command != "health") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--service applies to health, not ", command.command));
+  }
+  return command;
+}
+
+std::string CliUsage() { return std::string(kUsage); }
+
+int RunCli(const std::vector<std::string>& args, std::istream& in, std::ostream& out,
+           std::ostream& err) {
+  absl::StatusOr<CliCommand> command = ParseCliArgs(args);
+  if (!command.ok()) {
+    PrintError(command.status(), err);
+    err << "Run 'attention_cli --help' for usage.\n";
+    return kCliUsage;
+  }
+  if (command->help) {
+    out << kUsage;
+    return kCliOk;
+  }
+  bool serving = true;
+  absl::Status status = RunCommand(*command, in, out, &serving);
+  out.flush();
+  if (!status.ok()) {
+    PrintError(status, err);
+    return kCliError;
+  }
+  return serving ? kCliOk : kCliError;
+}
+
+}  // namespace attention::client

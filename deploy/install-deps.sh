@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages that building and testing need, only those
+# missing; runs apt-get update only when a missing package has no candidate or
+# the install fails on stale lists. Idempotent; installing needs root.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++ pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  libdnnl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev
+)
+
+installed() {
+  [[ $(dpkg-query -W -f='${db:Status-Abbrev}' "$1" 2>/dev/null) == ii* ]]
+}
+
+has_candidate() {
+  local candidate
+  candidate=$(apt-cache policy "$1" 2>/dev/null | sed -n 's/^ *Candidate: *//p')
+  [[ -n $candidate && $candidate != "(none)" ]]
+}
+
+missing=()
+for p in "${packages[@]}"; do
+  installed "$p" || missing+=("$p")
+done
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install-deps: all ${#packages[@]} packages are installed"
+  exit 0
+fi
+
+echo "install-deps: missing: ${missing[*]}"
+if [[ $EUID -ne 0 ]]; then
+  echo "install-deps: run as root to install them (apt-get install ${missing[*]})" >&2
+  exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+updated=0
+for p in "${missing[@]}"; do
+  if ! has_candidate "$p"; then
+    apt-get update
+    updated=1
+    break
+  fi
+done
+install() { apt-get install -y --no-install-recommends "${missing[@]}"; }
+if ! install; then
+  [[ $updated -eq 0 ]] || exit 1
+  apt-get update
+  install
+fi
+echo "install-deps: installed ${missing[*]}"

@@ -1,0 +1,98 @@
+// attention_server: serves attention.v1.AttentionService until SIGTERM or SIGINT.
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "server/server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "HOST:PORT to listen on; port 0 picks one");
+ABSL_FLAG(int64_t, max_message_mb, 256, "Largest request or response message, in MiB");
+ABSL_FLAG(int64_t, max_tensor_elements, attention::EngineOptions().max_tensor_elements,
+          "Largest element count of any one tensor in a request; 0 means no limit");
+ABSL_FLAG(int64_t, max_score_elements, attention::EngineOptions().max_score_elements,
+          "Largest B*H*L*S of one request; 0 means no limit");
+ABSL_FLAG(std::string, port_file, "",
+          "If set, the bound port number is written to this file once the server serves");
+
+namespace {
+
+// Writes `port` to `path` through a temporary file, so readers never see a
+// partial number.
+absl::Status WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << port << "\n";
+    if (!out.flush()) return absl::InternalError(absl::StrCat("port_file: cannot write ", tmp));
+  }
+  std::error_code error;
+  std::filesystem::rename(tmp, path, error);
+  if (error) {
+    return absl::InternalError(
+        absl::StrCat("port_file: cannot rename ", tmp, " to ", path, ": ", error.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("Serves attention.v1.AttentionService over gRPC.");
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "attention_server: unexpected argument %s\n", positional[1]);
+    return 1;
+  }
+
+  // Blocked before gRPC starts threads, so only the waiter below receives them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  attention::ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  options.engine.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
+  options.engine.max_score_elements = absl::GetFlag(FLAGS_max_score_elements);
+  absl::StatusOr<std::unique_ptr<attention::AttentionServer>> server =
+      attention::AttentionServer::Create(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "attention_server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty()) {
+    if (absl::Status written = WritePortFile(port_file, (*server)->port()); !written.ok()) {
+      std::fprintf(stderr, "attention_server: %s\n", written.ToString().c_str());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "attention_server listening on %s\n", (*server)->address().c_str());
+
+  std::thread waiter([&stop_signals, s = server->get()] {
+    int signal = 0;
+    sigwait(&stop_signals, &signal);
+    s->Shutdown();
+  });
+  (*server)->Wait();
+  waiter.join();
+  return 0;
+}

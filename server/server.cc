@@ -1,0 +1,119 @@
+#include "server/server.h"
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "attention/v1/service.grpc.pb.h"
+#include "engine/status_macros.h"
+#include "grpc/grpc.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "server/attention_service.h"
+
+namespace attention {
+namespace {
+
+// Process-wide gRPC settings every server needs; done once, before any build.
+void InitGrpcOnce() {
+  static const bool kDone = [] {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    return true;
+  }();
+  (void)kDone;
+}
+
+// `mb` megabytes as a gRPC message size limit, saturating at INT_MAX.
+absl::StatusOr<int> MessageBytes(int64_t mb) {
+  if (mb <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_mb: must be positive, got ", mb));
+  }
+  constexpr int kMaxBytes = std::numeric_limits<int>::max();
+  if (mb > (kMaxBytes >> 20)) return kMaxBytes;
+  return static_cast<int>(mb << 20);
+}
+
+// Host for clients to dial: the listen host, or loopback for a wildcard one.
+std::string DialHost(absl::string_view listen) {
+  const size_t colon = listen.rfind(':');
+  const absl::string_view host = colon == absl::string_view::npos ? "" : listen.substr(0, colon);
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "*") return "127.0.0.1";
+  return std::string(host);
+}
+
+}  // namespace
+
+struct AttentionServer::Impl {
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<server::AttentionServiceImpl> service;
+  std::unique_ptr<grpc::Server> grpc_server;
+  int port = 0;
+  std::string address;
+
+  absl::Mutex mu;
+  bool shut_down ABSL_GUARDED_BY(mu) = false;
+};
+
+absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
+    const ServerOptions& options) {
+  if (options.listen.empty()) return absl::InvalidArgumentError("listen: empty address");
+  ATTN_ASSIGN_OR_RETURN(const int max_message_bytes, MessageBytes(options.max_message_mb));
+  InitGrpcOnce();
+
+  auto impl = std::make_unique<Impl>();
+  ATTN_ASSIGN_OR_RETURN(impl->engine, Engine::Create(options.engine));
+  impl->service =
+      std::make_unique<server::AttentionServiceImpl>(impl->engine.get(), max_message_bytes);
+
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
+  builder.SetMaxReceiveMessageSize(max_message_bytes);
+  builder.SetMaxSendMessageSize(max_message_bytes);
+  // A second server on a taken port must fail, not silently share the traffic.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.RegisterService(impl->service.get());
+  impl->grpc_server = builder.BuildAndStart();
+  if (impl->grpc_server == nullptr || impl->port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  }
+  impl->address = absl::StrCat(DialHost(options.listen), ":", impl->port);
+
+  grpc::HealthCheckServiceInterface* health = impl->grpc_server->GetHealthCheckService();
+  health->SetServingStatus("", true);
+  health->SetServingStatus(v1::AttentionService::service_full_name(), true);
+  return std::unique_ptr<AttentionServer>(new AttentionServer(std::move(impl)));
+}
+
+AttentionServer::AttentionServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+AttentionServer::~AttentionServer() {
+  Shutdown();
+  Wait();
+}
+
+int AttentionServer::port() const { return impl_->port; }
+
+std::string AttentionServer::address() const { return impl_->address; }
+
+void AttentionServer::Shutdown() {
+  absl::MutexLock lock(&impl_->mu);
+  if (impl_->shut_down) return;
+  impl_->shut_down = true;
+  impl_->grpc_server->GetHealthCheckService()->Shutdown();
+  impl_->grpc_server->Shutdown();
+}
+
+void AttentionServer::Wait() { impl_->grpc_server->Wait(); }
+
+}  // namespace attention

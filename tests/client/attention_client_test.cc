@@ -1,0 +1,130 @@
+#include "client/attention_client.h"
+
+#include <memory>
+#include <string>
+
+#include "absl/time/time.h"
+#include "client/tensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/fake_server.h"
+#include "tests/client/status_matchers.h"
+
+namespace attention::client {
+namespace {
+
+using ::attention::testing::FakeAttentionServer;
+using ::attention::testing::IsOk;
+using ::attention::testing::IsOkAndHolds;
+using ::attention::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+class AttentionClientTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<AttentionClient> Connect(ClientOptions options = {}) {
+    options.target = server_.address();
+    absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
+    EXPECT_THAT(client, IsOk());
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  FakeAttentionServer server_;
+};
+
+TEST(AttentionClientCreateTest, RejectsEmptyTarget) {
+  ClientOptions options;
+  options.target = "";
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target is empty")));
+}
+
+TEST(AttentionClientCreateTest, RejectsMessageLimitOutsideRange) {
+  ClientOptions options;
+  options.max_message_mb = 0;
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("max_message_mb is 0, must be in [1, 2047]")));
+  options.max_message_mb = 4096;
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_message_mb is 4096")));
+}
+
+TEST_F(AttentionClientTest, AttendReturnsTheResponse) {
+  std::unique_ptr<AttentionClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  v1::AttendRequest request;
+  request.set_id("r1");
+  *request.mutable_query() = *MakeFloatTensor({1, 1, 2}, {1.5f, -2.0f});
+  request.set_output_dtype(v1::Tensor::BFLOAT16);
+  absl::StatusOr<v1::AttendResponse> response = client->Attend(request);
+  ASSERT_THAT(response, IsOk());
+  EXPECT_EQ(response->id(), "r1");
+  EXPECT_EQ(response->output().dtype(), v1::Tensor::BFLOAT16);
+  EXPECT_THAT(ReadFloats(response->output()), IsOkAndHolds(ElementsAre(1.5f, -2.0f)));
+}
+
+TEST_F(AttentionClientTest, ServerErrorKeepsCodeAndMessage) {
+  std::unique_ptr<AttentionClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  v1::AttendRequest request;
+  request.set_id("fail");
+  EXPECT_THAT(client->Attend(request),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "mask.valid_lens: shape [3] does not match batch size 2"));
+  EXPECT_THAT(client->GetModel("nope"),
+              StatusIs(absl::StatusCode::kNotFound, "model \"nope\" is not registered"));
+}
+
+TEST_F(AttentionClientTest, TimeoutBecomesDeadlineExceeded) {
+  ClientOptions options;
+  options.timeout = absl::Milliseconds(100);
+  std::unique_ptr<AttentionClient> client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  v1::AttendRequest request;
+  request.set_id("hang");
+  EXPECT_THAT(client->Attend(request), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+}
+
+TEST_F(AttentionClientTest, SendsBearerTokenOnlyWhenSet) {
+  ClientOptions options;
+  options.bearer_token = "s3cret";
+  std::unique_ptr<AttentionClient> client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  ASSERT_THAT(client->GetServerInfo(), IsOk());
+  EXPECT_EQ(server_.last_authorization(), "Bearer s3cret");
+
+  std::unique_ptr<AttentionClient> anonymous = Connect();
+  ASSERT_NE(anonymous, nullptr);
+  ASSERT_THAT(anonymous->ListModels(), IsOk());
+  EXPECT_EQ(server_.last_authorization(), "");
+}
+
+TEST_F(AttentionClientTest, HealthReturnsTheStatusName) {
+  std::unique_ptr<AttentionClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  EXPECT_THAT(client->Health(), IsOkAndHolds("SERVING"));
+  server_.set_health(grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_THAT(client->Health("attention.v1.AttentionService"), IsOkAndHolds("NOT_SERVING"));
+  EXPECT_EQ(server_.last_health_service(), "attention.v1.AttentionService");
+  EXPECT_THAT(client->Health("missing"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("unknown service")));
+}
+
+TEST(AttentionClientUnreachableTest, UnusedPortIsUnavailable) {
+  std::string target;
+  {
+    // A port that was just free: nothing listens there once the server is gone.
+    FakeAttentionServer server;
+    target = server.address();
+  }
+  ClientOptions options;
+  options.target = target;
+  options.timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
+  ASSERT_THAT(client, IsOk());
+  EXPECT_THAT((*client)->GetServerInfo(), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+}
+
+}  // namespace
+}  // namespace attention::client

@@ -1,0 +1,285 @@
+#include "client/cli.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/fake_server.h"
+#include "tests/client/status_matchers.h"
+
+namespace attention::client {
+namespace {
+
+using ::attention::testing::FakeAttentionServer;
+using ::attention::testing::IsOk;
+using ::attention::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::EndsWith;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+using ::testing::StartsWith;
+
+constexpr char kSmallRequest[] = R"({
+  "id": "r1",
+  "query": {"shape": [1, 1, 2], "float_data": [1.5, -2]},
+  "need_weights": true,
+  "output_dtype": "BFLOAT16"
+})";
+
+struct CliResult {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+CliResult RunCliOn(const std::vector<std::string>& args, const std::string& stdin_text = "") {
+  std::istringstream in(stdin_text);
+  std::ostringstream out, err;
+  CliResult result;
+  result.code = RunCli(args, in, out, err);
+  result.out = out.str();
+  result.err = err.str();
+  return result;
+}
+
+// The one error line RunCli writes for a failed call.
+MATCHER_P(IsErrorLine, prefix, "") {
+  return ::testing::ExplainMatchResult(AllOf(StartsWith(prefix), EndsWith("\n")), arg,
+                                       result_listener) &&
+         arg.find('\n') == arg.size() - 1;
+}
+
+TEST(ParseCliArgsTest, Defaults) {
+  absl::StatusOr<CliCommand> command = ParseCliArgs({"call"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_EQ(command->command, "call");
+  EXPECT_EQ(command->input, "-");
+  EXPECT_FALSE(command->raw);
+  EXPECT_EQ(command->client.target, "127.0.0.1:50051");
+  EXPECT_EQ(command->client.timeout, absl::Seconds(30));
+  EXPECT_EQ(command->client.bearer_token, "");
+}
+
+TEST(ParseCliArgsTest, FlagsBeforeAndAfterTheCommand) {
+  absl::StatusOr<CliCommand> command =
+      ParseCliArgs({"--target", "10.0.0.1:9", "--timeout=500ms", "call", "req.json", "--raw",
+                    "--token", "abc", "--max_message_mb=64"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_EQ(command->command, "call");
+  EXPECT_EQ(command->input, "req.json");
+  EXPECT_TRUE(command->raw);
+  EXPECT_EQ(command->client.target, "10.0.0.1:9");
+  EXPECT_EQ(command->client.timeout, absl::Milliseconds(500));
+  EXPECT_EQ(command->client.bearer_token, "abc");
+  EXPECT_EQ(command->client.max_message_mb, 64);
+}
+
+TEST(ParseCliArgsTest, HealthService) {
+  absl::StatusOr<CliCommand> command = ParseCliArgs({"health", "--service", "attention.v1.X"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_EQ(command->command, "health");
+  EXPECT_EQ(command->service, "attention.v1.X");
+}
+
+TEST(ParseCliArgsTest, DoubleDashEndsFlags) {
+  absl::StatusOr<CliCommand> command = ParseCliArgs({"call", "--", "--odd-name.json"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_EQ(command->input, "--odd-name.json");
+}
+
+TEST(ParseCliArgsTest, ModelTakesAName) {
+  absl::StatusOr<CliCommand> command = ParseCliArgs({"model", "demo"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_EQ(command->model, "demo");
+  EXPECT_THAT(ParseCliArgs({"model"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model needs a NAME")));
+}
+
+TEST(ParseCliArgsTest, NamesTheBadArgument) {
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  EXPECT_THAT(ParseCliArgs({}), StatusIs(kInvalid, "no command given"));
+  EXPECT_THAT(ParseCliArgs({"frobnicate"}),
+              StatusIs(kInvalid, HasSubstr("unknown command \"frobnicate\"")));
+  EXPECT_THAT(ParseCliArgs({"--colour", "call"}),
+              StatusIs(kInvalid, HasSubstr("unknown flag \"--colour\"")));
+  EXPECT_THAT(ParseCliArgs({"call", "--target"}),
+              StatusIs(kInvalid, HasSubstr("--target needs a value")));
+  EXPECT_THAT(ParseCliArgs({"call", "--raw=yes"}),
+              StatusIs(kInvalid, HasSubstr("--raw takes no value")));
+  EXPECT_THAT(ParseCliArgs({"--timeout", "soon", "info"}),
+              StatusIs(kInvalid, HasSubstr("--timeout: \"soon\" is not")));
+  EXPECT_THAT(ParseCliArgs({"--timeout", "-1s", "info"}),
+              StatusIs(kInvalid, HasSubstr("--timeout: \"-1s\" is not")));
+  EXPECT_THAT(ParseCliArgs({"--max_message_mb", "lots", "info"}),
+              StatusIs(kInvalid, HasSubstr("--max_message_mb: \"lots\"")));
+  EXPECT_THAT(ParseCliArgs({"call", "a.json", "b.json"}),
+              StatusIs(kInvalid, HasSubstr("call takes 1 argument, got 2: unexpected \"b.json\"")));
+  EXPECT_THAT(ParseCliArgs({"info", "extra"}),
+              StatusIs(kInvalid, HasSubstr("info takes 0 arguments, got 1")));
+  EXPECT_THAT(ParseCliArgs({"info", "--service", "x"}),
+              StatusIs(kInvalid, HasSubstr("--service applies to health, not info")));
+}
+
+TEST(RunCliTest, UsageErrorsExitTwo) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {}, {"bogus"}, {"--nope", "info"}, {"call", "--timeout"}, {"health", "x"}}) {
+    CliResult result = RunCliOn(args);
+    EXPECT_EQ(result.code, kCliUsage) << ::testing::PrintToString(args);
+    EXPECT_THAT(result.err, StartsWith("error: INVALID_ARGUMENT: "));
+    EXPECT_THAT(result.out, IsEmpty());
+  }
+}
+
+TEST(RunCliTest, HelpPrintsUsageAndExitsZero) {
+  CliResult result = RunCliOn({"--help"});
+  EXPECT_EQ(result.code, kCliOk);
+  EXPECT_THAT(result.out, StartsWith("usage: attention_cli"));
+  EXPECT_THAT(result.err, IsEmpty());
+  EXPECT_EQ(RunCliOn({"-h", "call"}).code, kCliOk);
+}
+
+// The request is parsed before connecting: these fail without any server.
+TEST(RunCliTest, UnknownJsonFieldIsNamed) {
+  CliResult result =
+      RunCliOn({"--target", "127.0.0.1:1", "call"}, R"({"querry": {"shape": [1, 1, 1]}})");
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_THAT(result.err,
+              AllOf(IsErrorLine("error: INVALID_ARGUMENT: standard input: not an AttendRequest"),
+                    HasSubstr("querry")));
+  EXPECT_THAT(result.out, IsEmpty());
+}
+
+TEST(RunCliTest, MalformedJsonIsRejected) {
+  CliResult result = RunCliOn({"call", "-"}, R"({"id": "x", "need_weights": tru})");
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_THAT(result.err, IsErrorLine("error: INVALID_ARGUMENT: standard input: not an "
+                                      "AttendRequest in JSON: "));
+}
+
+TEST(RunCliTest, WrongJsonTypeIsRejected) {
+  CliResult result = RunCliOn({"call"}, R"({"num_heads": "two"})");
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_THAT(result.err, AllOf(IsErrorLine("error: INVALID_ARGUMENT: "), HasSubstr("two")));
+}
+
+TEST(RunCliTest, EmptyInputIsRejected) {
+  CliResult result = RunCliOn({"call"}, "  \n");
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_THAT(result.err, IsErrorLine("error: INVALID_ARGUMENT: standard input is empty; "
+                                      "expected an AttendRequest in JSON"));
+}
+
+TEST(RunCliTest, MissingFileIsNotFound) {
+  CliResult result = RunCliOn({"call", "/nonexistent/request.json"});
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_THAT(result.err, IsErrorLine("error: NOT_FOUND: cannot open /nonexistent/request.json"));
+}
+
+// Reading a directory through an ifstream threw from libstdc++ and aborted the CLI.
+TEST(RunCliTest, DirectoryIsAnErrorNotACrash) {
+  CliResult result = RunCliOn({"call", ::testing::TempDir()});
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_THAT(result.err, IsErrorLine("error: FAILED_PRECONDITION: cannot read "));
+}
+
+class RunCliServerTest : public ::testing::Test {
+ protected:
+  CliResult RunAgainstServer(std::vector<std::string> args, const std::string& stdin_text = "") {
+    args.insert(args.begin(), {"--target", server_.address()});
+    return RunCliOn(args, stdin_text);
+  }
+
+  FakeAttentionServer server_;
+};
+
+TEST_F(RunCliServerTest, CallPrintsFloatDataByDefault) {
+  CliResult result = RunAgainstServer({"call"}, kSmallRequest);
+  ASSERT_EQ(result.code, kCliOk) << result.err;
+  EXPECT_THAT(result.err, IsEmpty());
+  EXPECT_THAT(result.out,
+              AllOf(HasSubstr("\"id\": \"r1\""), HasSubstr("\"float_data\""), HasSubstr("1.5"),
+                    HasSubstr("-2"), HasSubstr("0.5"), HasSubstr("\"compute_us\": \"7\""),
+                    Not(HasSubstr("BFLOAT16")), Not(HasSubstr("\"data\"")), EndsWith("}\n")));
+}
+
+TEST_F(RunCliServerTest, CallRawKeepsBytes) {
+  CliResult result = RunAgainstServer({"--raw", "call"}, kSmallRequest);
+  ASSERT_EQ(result.code, kCliOk) << result.err;
+  // bf16 1.5 = 0x3fc0, -2 = 0xc000: bytes c0 3f 00 c0, base64 "wD8AwA==".
+  EXPECT_THAT(result.out, AllOf(HasSubstr("\"dtype\": \"BFLOAT16\""),
+                                HasSubstr("\"data\": \"wD8AwA==\""), Not(HasSubstr("float_data"))));
+}
+
+TEST_F(RunCliServerTest, CallReadsAFile) {
+  const std::string path = ::testing::TempDir() + "cli_test_request.json";
+  {
+    std::ofstream file(path);
+    file << kSmallRequest;
+  }
+  CliResult result = RunAgainstServer({"call", path});
+  std::remove(path.c_str());
+  ASSERT_EQ(result.code, kCliOk) << result.err;
+  EXPECT_THAT(result.out, HasSubstr("\"id\": \"r1\""));
+}
+
+TEST_F(RunCliServerTest, ServerErrorIsOneLineWithCode) {
+  CliResult result = RunAgainstServer({"call"}, R"({"id": "fail"})");
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_EQ(result.err,
+            "error: INVALID_ARGUMENT: mask.valid_lens: shape [3] does not match batch size 2\n");
+  EXPECT_THAT(result.out, IsEmpty());
+}
+
+TEST_F(RunCliServerTest, TimeoutIsDeadlineExceeded) {
+  CliResult result = RunAgainstServer({"--timeout", "100ms", "call"}, R"({"id": "hang"})");
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_THAT(result.err, IsErrorLine("error: DEADLINE_EXCEEDED: "));
+}
+
+TEST_F(RunCliServerTest, TokenIsSentAsBearer) {
+  ASSERT_EQ(RunAgainstServer({"--token", "t0k", "info"}).code, kCliOk);
+  EXPECT_EQ(server_.last_authorization(), "Bearer t0k");
+}
+
+TEST_F(RunCliServerTest, HealthExitsZeroOnlyWhenServing) {
+  CliResult serving = RunAgainstServer({"health"});
+  EXPECT_EQ(serving.code, kCliOk);
+  EXPECT_EQ(serving.out, "SERVING\n");
+
+  server_.set_health(grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  CliResult draining = RunAgainstServer({"health", "--service", "attention.v1.AttentionService"});
+  EXPECT_EQ(draining.code, kCliError);
+  EXPECT_EQ(draining.out, "NOT_SERVING\n");
+  EXPECT_THAT(draining.err, IsEmpty());
+  EXPECT_EQ(server_.last_health_service(), "attention.v1.AttentionService");
+
+  CliResult missing = RunAgainstServer({"health", "--service", "missing"});
+  EXPECT_EQ(missing.code, kCliError);
+  EXPECT_EQ(missing.err, "error: NOT_FOUND: unknown service\n");
+}
+
+TEST_F(RunCliServerTest, InfoModelsAndModelPrintJson) {
+  CliResult info = RunAgainstServer({"info"});
+  ASSERT_EQ(info.code, kCliOk) << info.err;
+  EXPECT_THAT(info.out,
+              AllOf(HasSubstr("\"version\": \"fake-1.0\""),
+                    HasSubstr("\"engine_backend\": \"reference\""), HasSubstr("\"SCALED_DOT\"")));
+
+  CliResult models = RunAgainstServer({"models"});
+  ASSERT_EQ(models.code, kCliOk) << models.err;
+  EXPECT_THAT(models.out,
+              AllOf(HasSubstr("\"name\": \"demo\""), HasSubstr("\"embed_dim\": \"8\"")));
+
+  CliResult model = RunAgainstServer({"model", "nope"});
+  EXPECT_EQ(model.code, kCliError);
+  EXPECT_EQ(model.err, "error: NOT_FOUND: model \"nope\" is not registered\n");
+}
+
+}  // namespace
+}  // namespace attention::client

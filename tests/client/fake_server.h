@@ -1,0 +1,63 @@
+#ifndef ATTENTION_TESTS_CLIENT_FAKE_SERVER_H_
+#define ATTENTION_TESTS_CLIENT_FAKE_SERVER_H_
+
+// An in-process stand-in for the attention server on 127.0.0.1:0, so client
+// tests need neither the engine nor a fixed port.
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "attention/v1/service.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/server.h"
+
+namespace attention::testing {
+
+// Attend answers by request id:
+//   "fail":  INVALID_ARGUMENT "mask.valid_lens: shape [3] does not match batch size 2"
+//   "hang":  blocks until the call is cancelled or its deadline passes
+//   other:   output = the query's elements re-encoded as output_dtype, shape
+//            kept; with need_weights, weights = [1, 1] holding 0.5 as FLOAT16.
+// Health answers the status set with set_health(); service "missing" gets
+// NOT_FOUND. Thread-safe.
+class FakeAttentionServer {
+ public:
+  // Starts serving; fails the current test if it cannot.
+  FakeAttentionServer();
+  ~FakeAttentionServer();
+
+  FakeAttentionServer(const FakeAttentionServer&) = delete;
+  FakeAttentionServer& operator=(const FakeAttentionServer&) = delete;
+
+  // "127.0.0.1:<port>".
+  std::string address() const { return address_; }
+
+  void set_health(grpc::health::v1::HealthCheckResponse::ServingStatus status);
+  // The "authorization" metadata of the latest call, "" when it had none.
+  std::string last_authorization() const;
+  // The service name of the latest health check.
+  std::string last_health_service() const;
+
+ private:
+  class AttentionImpl;
+  class HealthImpl;
+  struct State {
+    mutable absl::Mutex mu;
+    grpc::health::v1::HealthCheckResponse::ServingStatus health ABSL_GUARDED_BY(mu) =
+        grpc::health::v1::HealthCheckResponse::SERVING;
+    std::string authorization ABSL_GUARDED_BY(mu);
+    std::string health_service ABSL_GUARDED_BY(mu);
+  };
+
+  State state_;
+  std::unique_ptr<AttentionImpl> attention_;
+  std::unique_ptr<HealthImpl> health_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+}  // namespace attention::testing
+
+#endif  // ATTENTION_TESTS_CLIENT_FAKE_SERVER_H_
