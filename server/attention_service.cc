@@ -33,8 +33,18 @@ const char* IsaName(Backend backend) {
 
 }  // namespace
 
-AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, int64_t max_message_bytes)
-    : engine_(engine), max_message_bytes_(max_message_bytes) {}
+AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepository* models,
+                                           int64_t max_message_bytes)
+    : engine_(engine), models_(models), max_message_bytes_(max_message_bytes) {}
+
+absl::StatusOr<const Model*> AttentionServiceImpl::FindModel(absl::string_view name) const {
+  const Model* model = models_->Find(name);
+  if (model == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("model: \"", name, "\" is not registered (ListModels shows what is)"));
+  }
+  return model;
+}
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
                                                        const v1::AttendRequest* request,
@@ -51,10 +61,16 @@ absl::Status AttentionServiceImpl::DoAttend(const grpc::CallbackServerContext& c
   if (context.IsCancelled()) {
     return absl::CancelledError("call cancelled before compute started");
   }
+  const Model* model = nullptr;
+  if (!request.model().empty()) {
+    ATTN_ASSIGN_OR_RETURN(model, FindModel(request.model()));
+  }
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<EngineRequest> converted, ToEngineRequest(request));
 
   const absl::Time start = absl::Now();
-  ATTN_ASSIGN_OR_RETURN(AttentionResult result, engine_->Attend(converted->args));
+  ATTN_ASSIGN_OR_RETURN(AttentionResult result,
+                        model ? model->layer->Forward(*engine_, converted->args)
+                              : engine_->Attend(converted->args));
   const absl::Duration compute = absl::Now() - start;
 
   response->set_id(request.id());
@@ -98,15 +114,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
                                                            const v1::ListModelsRequest* /*request*/,
-                                                           v1::ListModelsResponse* /*response*/) {
+                                                           v1::ListModelsResponse* response) {
+  for (const Model* model : models_->models()) *response->add_models() = model->config;
   return Finish(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
                                                          const v1::GetModelRequest* request,
-                                                         v1::GetModelResponse* /*response*/) {
-  return Finish(context, absl::NotFoundError(
-                             absl::StrCat("model \"", request->name(), "\" is not registered")));
+                                                         v1::GetModelResponse* response) {
+  absl::StatusOr<const Model*> model = FindModel(request->name());
+  if (model.ok()) *response->mutable_config() = (*model)->config;
+  return Finish(context, model.status());
 }
 
 }  // namespace attention::server

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "attention/v1/service.grpc.pb.h"
 #include "engine/engine.h"
+#include "server/model_repository.h"
 
 namespace attention::server {
 
@@ -14,13 +15,15 @@ namespace attention::server {
 // AttendStream is not served yet (UNIMPLEMENTED). Thread-safe.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  // `engine` must outlive the service. `max_message_bytes` is reported in
-  // GetServerInfo's limits.
-  AttentionServiceImpl(const Engine* engine, int64_t max_message_bytes);
+  // `engine` and `models` must outlive the service. `max_message_bytes` is
+  // reported in GetServerInfo's limits.
+  AttentionServiceImpl(const Engine* engine, const ModelRepository* models,
+                       int64_t max_message_bytes);
 
   AttentionServiceImpl(const AttentionServiceImpl&) = delete;
   AttentionServiceImpl& operator=(const AttentionServiceImpl&) = delete;
 
+  // With `model` set, runs that registered layer (NOT_FOUND when unknown).
   // DEADLINE_EXCEEDED / CANCELLED when the call is over before compute starts;
   // otherwise the conversion's and the engine's errors.
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
@@ -29,20 +32,22 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::ServerInfo* response) override;
-  // No model repository yet: the list is empty.
+  // Every registered model's config, sorted by name.
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;
-  // NOT_FOUND for every name.
+  // NOT_FOUND for a name that is not registered.
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
                                      const v1::GetModelRequest* request,
                                      v1::GetModelResponse* response) override;
 
  private:
+  absl::StatusOr<const Model*> FindModel(absl::string_view name) const;
   absl::Status DoAttend(const grpc::CallbackServerContext& context,
                         const v1::AttendRequest& request, v1::AttendResponse* response) const;
 
   const Engine* const engine_;
+  const ModelRepository* const models_;
   const int64_t max_message_bytes_;
 };
 

@@ -144,9 +144,6 @@ absl::Status CheckPrecision(int value) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<EngineRequest>> ToEngineRequest(const v1::AttendRequest& r) {
-  if (!r.model().empty()) {
-    return absl::UnimplementedError("model: serving registered models is not implemented yet");
-  }
   ATTN_RETURN_IF_ERROR(CheckPrecision(r.precision()));
   ATTN_RETURN_IF_ERROR(CheckOutputDType(r.output_dtype()));
 

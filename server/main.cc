@@ -27,6 +27,9 @@ ABSL_FLAG(int64_t, max_tensor_elements, attention::EngineOptions().max_tensor_el
           "Largest element count of any one tensor in a request; 0 means no limit");
 ABSL_FLAG(int64_t, max_score_elements, attention::EngineOptions().max_score_elements,
           "Largest B*H*L*S of one request; 0 means no limit");
+ABSL_FLAG(std::string, model_repository, ATTENTION_DEFAULT_MODEL_REPOSITORY,
+          "Folder of model folders (config.pbtxt + weights.safetensors) to serve; empty for "
+          "none");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port number is written to this file once the server serves");
 
@@ -70,6 +73,7 @@ int main(int argc, char** argv) {
   attention::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.engine.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   options.engine.max_score_elements = absl::GetFlag(FLAGS_max_score_elements);
   absl::StatusOr<std::unique_ptr<attention::AttentionServer>> server =

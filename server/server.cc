@@ -56,6 +56,7 @@ std::string DialHost(absl::string_view listen) {
 
 struct AttentionServer::Impl {
   std::unique_ptr<Engine> engine;
+  std::unique_ptr<ModelRepository> models;
   std::unique_ptr<server::AttentionServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;
   int port = 0;
@@ -73,8 +74,13 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
 
   auto impl = std::make_unique<Impl>();
   ATTN_ASSIGN_OR_RETURN(impl->engine, Engine::Create(options.engine));
-  impl->service =
-      std::make_unique<server::AttentionServiceImpl>(impl->engine.get(), max_message_bytes);
+  if (options.model_repository.empty()) {
+    impl->models = ModelRepository::Empty();
+  } else {
+    ATTN_ASSIGN_OR_RETURN(impl->models, ModelRepository::Load(options.model_repository));
+  }
+  impl->service = std::make_unique<server::AttentionServiceImpl>(
+      impl->engine.get(), impl->models.get(), max_message_bytes);
 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);

@@ -16,6 +16,9 @@ struct ServerOptions {
   // Largest request or response; below 1 is INVALID_ARGUMENT from Create, above
   // 2047 is capped at gRPC's limit of 2 GiB - 1 bytes.
   int64_t max_message_mb = 256;
+  // Folder of model folders (config.pbtxt + weights.safetensors) to serve;
+  // empty serves no models.
+  std::string model_repository;
   EngineOptions engine;
 };
 
@@ -23,8 +26,9 @@ struct ServerOptions {
 // Thread-safe.
 class AttentionServer {
  public:
-  // Builds the engine, binds and starts serving. UNAVAILABLE when the address
-  // cannot be bound; the engine's errors otherwise.
+  // Loads the model repository, builds the engine, binds and starts serving.
+  // UNAVAILABLE when the address cannot be bound; the repository's and the
+  // engine's errors otherwise (each names the file, key and numbers).
   static absl::StatusOr<std::unique_ptr<AttentionServer>> Create(const ServerOptions& options);
 
   AttentionServer(const AttentionServer&) = delete;

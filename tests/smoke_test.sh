@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end check of the two binaries: starts attention_server on 127.0.0.1:0,
-# drives it with attention_cli (health, info, models, a hand-checked call and the
-# golden case sdpa_basic), then stops it with SIGTERM and expects exit code 0.
+# drives it with attention_cli (health, info, models, the built-in demo model, a
+# hand-checked call and the golden case sdpa_basic), then stops it with SIGTERM and expects exit code 0.
 #
 # Usage: smoke_test.sh SERVER_BIN CLI_BIN GOLDEN_DIR
 set -euo pipefail
@@ -51,7 +51,21 @@ cli=("$cli_bin" --target "127.0.0.1:$SERVER_PORT" --timeout 10s)
 "${cli[@]}" info >"$tmp/info.json" || fail "info failed"
 grep -q '"version"' "$tmp/info.json" || fail "info has no version: $(cat "$tmp/info.json")"
 "${cli[@]}" models >"$tmp/models.json" || fail "models failed"
-echo "info and models: ok"
+grep -q '"name": "demo"' "$tmp/models.json" ||
+  fail "the built-in demo model is not served by default: $(cat "$tmp/models.json")"
+echo "info and models (demo served by default): ok"
+
+# --- the built-in demo model ------------------------------------------------------
+repo_root="$(dirname "${BASH_SOURCE[0]}")/.."
+"${cli[@]}" call "$repo_root/deploy/demo_request.json" >"$tmp/demo.json" 2>"$tmp/call.err" ||
+  fail "demo call: $(cat "$tmp/call.err")"
+demo_output=$(tensor_of output <"$tmp/demo.json")
+demo_weights=$(tensor_of weights <"$tmp/demo.json")
+[[ ${demo_output%%|*} == 1,3,64 ]] || fail "demo output shape [${demo_output%%|*}], want [1,3,64]"
+[[ ${demo_weights%%|*} == 1,3,3 ]] || fail "demo weights shape [${demo_weights%%|*}], want [1,3,3]"
+# Causal: the first query row attends only to key 0.
+[[ ${demo_weights#*|} == 1,0,0,* ]] || fail "demo weights row 0 is not [1, 0, 0]: ${demo_weights#*|}"
+echo "demo model: output [1,3,64], causal weights [1,3,3]"
 
 # --- a call checked by hand ----------------------------------------------------
 # Self-attention of q0 = [2,0,0,0], q1 = [0,2,0,0] with scale 1/sqrt(4): the

@@ -9,7 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/client/status_matchers.h"
+#include "tests/status_matchers.h"
 
 namespace attention::client {
 namespace {

@@ -9,19 +9,13 @@
 #include "engine/half.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 
 namespace attention {
 namespace {
 
 using ::testing::HasSubstr;
-
-MATCHER_P2(StatusIs, code, substr, "") {
-  if (arg.status().code() == code && arg.status().message().find(substr) != std::string::npos) {
-    return true;
-  }
-  *result_listener << "status is " << arg.status();
-  return false;
-}
+using testing::StatusIs;
 
 // A tensor that owns its bytes.
 struct Owned {
@@ -257,7 +251,7 @@ TEST_F(EngineTest, RejectsMismatchedHeadDim) {
   AttentionArgs a = Basic();
   a.key = k.view();
   a.num_heads = 1;
-  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "key: head dim 6"));
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("key: head dim 6")));
 }
 
 TEST_F(EngineTest, RejectsValidLensBeyondKeyLength) {
@@ -265,43 +259,43 @@ TEST_F(EngineTest, RejectsValidLensBeyondKeyLength) {
   AttentionArgs a = Basic();
   a.mask.valid_lens = lens.view();
   EXPECT_THAT(engine_->Attend(a),
-              StatusIs(absl::StatusCode::kInvalidArgument, "mask.valid_lens: element 1 is 6"));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mask.valid_lens: element 1 is 6")));
 }
 
 TEST_F(EngineTest, RejectsScoreParameterTheKindDoesNotUse) {
   Owned w = Random({4, 4}, 5);
   AttentionArgs a = Basic();
   a.score.w = w.view();
-  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "score.w"));
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("score.w")));
 }
 
 TEST_F(EngineTest, RejectsDropoutOutsideUnitInterval) {
   AttentionArgs a = Basic();
   a.dropout_p = 1.5;
-  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "dropout_p"));
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dropout_p")));
   a.dropout_p = std::nan("");
-  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "dropout_p"));
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dropout_p")));
 }
 
 TEST_F(EngineTest, RejectsShapeWhoseProductOverflows) {
   Owned q = Floats({int64_t{1} << 40, int64_t{1} << 40, int64_t{1} << 40}, {1.0f});
   AttentionArgs a;
   a.query = q.view();
-  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, "query: shape"));
+  EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("query: shape")));
 }
 
 TEST_F(EngineTest, EnforcesTheScoreElementLimit) {
   auto small = Engine::Create(EngineOptions{.max_score_elements = 10});
   ASSERT_TRUE(small.ok());
   EXPECT_THAT((*small)->Attend(Basic()),
-              StatusIs(absl::StatusCode::kResourceExhausted, "B*H*L*S = 2*2*3*5"));
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("B*H*L*S = 2*2*3*5")));
 }
 
 TEST_F(EngineTest, EnforcesTheTensorElementLimit) {
   auto small = Engine::Create(EngineOptions{.max_tensor_elements = 40});
   ASSERT_TRUE(small.ok());
   EXPECT_THAT((*small)->Attend(Basic()),
-              StatusIs(absl::StatusCode::kResourceExhausted, "query: 48 elements"));
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("query: 48 elements")));
 }
 
 }  // namespace

@@ -15,7 +15,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "server/server.h"
-#include "tests/client/status_matchers.h"
+#include "tests/status_matchers.h"
 #include "tests/server/test_server.h"
 
 namespace attention::testing {
@@ -98,12 +98,12 @@ TEST_F(ServiceTest, ListModelsIsEmpty) {
 
 TEST_F(ServiceTest, GetModelIsNotFound) {
   EXPECT_THAT(client().GetModel("x"),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("model \"x\" is not registered")));
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("model: \"x\" is not registered")));
 }
 
 TEST_F(ServiceTest, GetModelClipsALongNameInTheMessage) {
   absl::StatusOr<v1::GetModelResponse> response = client().GetModel(std::string(100000, 'm'));
-  EXPECT_THAT(response, StatusIs(absl::StatusCode::kNotFound, HasSubstr("model \"mmmm")));
+  EXPECT_THAT(response, StatusIs(absl::StatusCode::kNotFound, HasSubstr("model: \"mmmm")));
   EXPECT_LE(response.status().message().size(), 1030u);
 }
 

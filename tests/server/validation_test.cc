@@ -11,7 +11,7 @@
 #include "client/tensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/client/status_matchers.h"
+#include "tests/status_matchers.h"
 #include "tests/server/test_server.h"
 
 namespace attention::testing {
@@ -198,9 +198,9 @@ TEST_F(ValidationTest, RejectsHugeRankWithAMessageThatFitsInATrailer) {
               StatusIs(kInvalid, HasSubstr("query:")));
 }
 
-TEST_F(ValidationTest, RejectsModelAsUnimplemented) {
+TEST_F(ValidationTest, RejectsUnknownModelAsNotFound) {
   EXPECT_THAT(Attend([](v1::AttendRequest& r) { r.set_model("demo"); }),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("model:")));
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("model: \"demo\" is not registered")));
 }
 
 TEST_F(ValidationTest, RejectsFastPrecisionAsUnimplemented) {

@@ -1,5 +1,5 @@
-#ifndef ATTENTION_TESTS_CLIENT_STATUS_MATCHERS_H_
-#define ATTENTION_TESTS_CLIENT_STATUS_MATCHERS_H_
+#ifndef ATTENTION_TESTS_STATUS_MATCHERS_H_
+#define ATTENTION_TESTS_STATUS_MATCHERS_H_
 
 #include <string>
 #include <type_traits>
@@ -47,4 +47,4 @@ MATCHER_P(IsOkAndHolds, value_matcher,
 
 }  // namespace attention::testing
 
-#endif  // ATTENTION_TESTS_CLIENT_STATUS_MATCHERS_H_
+#endif  // ATTENTION_TESTS_STATUS_MATCHERS_H_

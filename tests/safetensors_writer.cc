@@ -1,0 +1,42 @@
+#include "tests/safetensors_writer.h"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace attention::testing {
+
+std::string SafetensorsBytes(const StateDict& dict) {
+  nlohmann::json header = nlohmann::json::object();
+  std::string data;
+  for (const auto& [key, tensor] : dict) {
+    const size_t begin = data.size();
+    data.append(reinterpret_cast<const char*>(tensor.data.data()),
+                tensor.data.size() * sizeof(float));
+    header[key] = {{"dtype", "F32"}, {"shape", tensor.shape}, {"data_offsets", {begin, data.size()}}};
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  uint64_t len = text.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+  return out + text + data;
+}
+
+void WriteFile(const std::string& path, const std::string& contents) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+  ASSERT_TRUE(out.good()) << "cannot write " << path;
+}
+
+std::string MakeTempDir(const std::string& name) {
+  auto dir = std::filesystem::path(::testing::TempDir()) / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+}  // namespace attention::testing

@@ -1,0 +1,201 @@
+#include "server/model_repository.h"
+
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+#include "server/safetensors.h"
+#include "tests/golden_case.h"
+#include "tests/safetensors_writer.h"
+
+namespace attention {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::StatusIs;
+using testing::MakeTempDir;
+using testing::SafetensorsBytes;
+using testing::WriteFile;
+
+constexpr char kConfig[] = "embed_dim: 4\nnum_heads: 2\n";
+
+// A valid state_dict for kConfig.
+StateDict SmallWeights() {
+  StateDict d;
+  d["in_proj_weight"] = Tensor{{12, 4}, std::vector<float>(48, 0.1f)};
+  d["in_proj_bias"] = Tensor{{12}, std::vector<float>(12, 0.0f)};
+  d["out_proj.weight"] = Tensor{{4, 4}, std::vector<float>(16, 0.2f)};
+  d["out_proj.bias"] = Tensor{{4}, std::vector<float>(4, 0.0f)};
+  return d;
+}
+
+class ModelRepositoryTest : public ::testing::Test {
+ protected:
+  // Writes repo/<name>/ with `config` and `weights` bytes; returns the repo dir.
+  std::string Repo(const std::string& config, const std::string& weights,
+                   const std::string& name = "m") {
+    const std::string repo =
+        MakeTempDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(repo + "/" + name);
+    WriteFile(repo + "/" + name + "/config.pbtxt", config);
+    WriteFile(repo + "/" + name + "/weights.safetensors", weights);
+    return repo;
+  }
+
+  // The bytes of a valid file with `patch` applied to its JSON header text.
+  static std::string PatchedHeader(const std::string& from, const std::string& to) {
+    std::string bytes = SafetensorsBytes(SmallWeights());
+    uint64_t len = 0;
+    std::memcpy(&len, bytes.data(), 8);
+    std::string header = bytes.substr(8, len);
+    const size_t at = header.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    header.replace(at, from.size(), to);
+    std::string out(8, '\0');
+    uint64_t new_len = header.size();
+    std::memcpy(out.data(), &new_len, 8);
+    return out + header + bytes.substr(8 + len);
+  }
+};
+
+TEST_F(ModelRepositoryTest, LoadsAValidModel) {
+  auto repo = ModelRepository::Load(Repo(kConfig, SafetensorsBytes(SmallWeights())));
+  ASSERT_TRUE(repo.ok()) << repo.status();
+  const Model* m = (*repo)->Find("m");
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(m->config.name(), "m");
+  EXPECT_EQ(m->config.embed_dim(), 4);
+  EXPECT_EQ((*repo)->Find("other"), nullptr);
+}
+
+TEST_F(ModelRepositoryTest, ServesTheShippedDemoModel) {
+  auto repo = ModelRepository::Load(ATTENTION_MODELS_DIR);
+  ASSERT_TRUE(repo.ok()) << repo.status();
+  const Model* demo = (*repo)->Find("demo");
+  ASSERT_NE(demo, nullptr);
+  EXPECT_EQ(demo->config.embed_dim(), 64);
+  EXPECT_EQ(demo->config.num_heads(), 4);
+}
+
+TEST_F(ModelRepositoryTest, RejectsTruncatedFile) {
+  std::string bytes = SafetensorsBytes(SmallWeights());
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, bytes.substr(0, bytes.size() - 10))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("run past the")));
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, bytes.substr(0, 5))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("file has 5 bytes")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsHeaderLengthBeyondTheFile) {
+  std::string bytes = SafetensorsBytes(SmallWeights());
+  bytes[6] = 1;  // header length += 2^48
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, bytes)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("runs past the end of the")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsOverlappingOffsets) {
+  // Keys are written sorted: in_proj_bias [0, 48) comes first.
+  std::string bytes = PatchedHeader("\"data_offsets\":[48,240]", "\"data_offsets\":[40,232]");
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, bytes)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlap")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsOutOfRangeOffsets) {
+  std::string bytes = PatchedHeader("\"data_offsets\":[48,240]", "\"data_offsets\":[4800,4992]");
+  EXPECT_THAT(
+      ModelRepository::Load(Repo(kConfig, bytes)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("in_proj_weight\": data_offsets [4800, 4992)")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsUnsupportedDtype) {
+  std::string bytes = PatchedHeader("\"dtype\":\"F32\"", "\"dtype\":\"I64\"");
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, bytes)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dtype I64 is not supported")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsByteRangeThatDoesNotMatchTheShape) {
+  std::string bytes = PatchedHeader("\"shape\":[12,4]", "\"shape\":[12,5]");
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, bytes)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("needs 240")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsShapeThatDoesNotMatchTheConfig) {
+  StateDict d = SmallWeights();
+  d["out_proj.weight"] = Tensor{{4, 3}, std::vector<float>(12, 0.2f)};
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, SafetensorsBytes(d))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight \"out_proj.weight\" has shape [4, 3]; want [4, 4]")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsMissingKey) {
+  StateDict d = SmallWeights();
+  d.erase("in_proj_bias");
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, SafetensorsBytes(d))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("missing weight \"in_proj_bias\"")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsExtraKey) {
+  StateDict d = SmallWeights();
+  d["bias_k"] = Tensor{{1, 1, 4}, std::vector<float>(4, 0.0f)};
+  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, SafetensorsBytes(d))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unexpected weight \"bias_k\"")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsBadTextproto) {
+  EXPECT_THAT(ModelRepository::Load(
+                  Repo("embed_dim: 4\nnum_heads: two\n", SafetensorsBytes(SmallWeights()))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("config.pbtxt: line 2")));
+  EXPECT_THAT(ModelRepository::Load(Repo("embed_dims: 4\n", SafetensorsBytes(SmallWeights()))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("embed_dims")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsNameThatDoesNotMatchItsFolder) {
+  EXPECT_THAT(ModelRepository::Load(
+                  Repo(std::string("name: \"x\"\n") + kConfig, SafetensorsBytes(SmallWeights()))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("does not match its folder \"m\"")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsHeadsThatDoNotDivideEmbedDim) {
+  EXPECT_THAT(
+      ModelRepository::Load(Repo("embed_dim: 4\nnum_heads: 3\n", SafetensorsBytes(SmallWeights()))),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_heads 3 does not divide embed_dim 4")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsMissingWeightsFile) {
+  const std::string repo = Repo(kConfig, "");
+  std::filesystem::remove(repo + "/m/weights.safetensors");
+  EXPECT_THAT(ModelRepository::Load(repo),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("weights.safetensors: cannot open")));
+}
+
+TEST_F(ModelRepositoryTest, RejectsMissingDirectory) {
+  EXPECT_THAT(ModelRepository::Load("/nonexistent/models"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/models is not a directory")));
+}
+
+TEST(SafetensorsTest, ReadsHalfPrecisionTensors) {
+  // {"a": BF16 [2] = {1.0, -2.0}, "b": F16 [1] = {0.5}}
+  std::string header = R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},)"
+                       R"("b":{"dtype":"F16","shape":[1],"data_offsets":[4,6]}})";
+  std::string bytes(8, '\0');
+  bytes[0] = static_cast<char>(header.size());
+  bytes += header;
+  const unsigned char data[] = {0x80, 0x3f, 0x00, 0xc0, 0x00, 0x38};
+  bytes.append(reinterpret_cast<const char*>(data), sizeof data);
+  auto dict = ParseSafetensors(bytes, "t");
+  ASSERT_TRUE(dict.ok()) << dict.status();
+  EXPECT_EQ(dict->at("a").data, (std::vector<float>{1.0f, -2.0f}));
+  EXPECT_EQ(dict->at("b").data, (std::vector<float>{0.5f}));
+}
+
+TEST(SafetensorsTest, RejectsHeaderThatIsNotJson) {
+  std::string bytes(8, '\0');
+  bytes[0] = 3;
+  bytes += "{x:";
+  EXPECT_THAT(ParseSafetensors(bytes, "t"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("t: header is not a JSON object")));
+}
+
+}  // namespace
+}  // namespace attention
