@@ -1,5 +1,7 @@
 #include "tests/safetensors_writer.h"
 
+#include <stdlib.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -33,10 +35,10 @@ void WriteFile(const std::string& path, const std::string& contents) {
 }
 
 std::string MakeTempDir(const std::string& name) {
-  auto dir = std::filesystem::path(::testing::TempDir()) / name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
+  // Unique per call: ctest runs each test in its own process, several at once.
+  std::string pattern = (std::filesystem::path(::testing::TempDir()) / (name + ".XXXXXX")).string();
+  if (mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << pattern << " failed";
+  return pattern;
 }
 
 }  // namespace attention::testing
