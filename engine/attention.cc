@@ -1,7 +1,13 @@
 #include "engine/attention.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <new>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -43,6 +49,61 @@ const char* DTypeName(DType dtype) {
       return "INT64";
   }
   return "UNKNOWN";
+}
+
+namespace {
+
+constexpr size_t kPooledMin = size_t{1} << 20;
+constexpr size_t kPoolCap = size_t{512} << 20;
+
+// Freed large blocks by size. Every block starts with a 64-byte header holding
+// its size, so the memory handed out stays 64-byte aligned.
+struct OutputPool {
+  absl::Mutex mu;
+  std::multimap<size_t, void*> free_blocks ABSL_GUARDED_BY(mu);
+  size_t free_bytes ABSL_GUARDED_BY(mu) = 0;
+};
+
+OutputPool& Pool() {
+  static OutputPool* pool = new OutputPool;
+  return *pool;
+}
+
+}  // namespace
+
+void* AllocateOutputMemory(size_t bytes) {
+  if (bytes >= kPooledMin) {
+    OutputPool& pool = Pool();
+    absl::MutexLock lock(&pool.mu);
+    // The smallest free block that fits, if it wastes at most half of itself.
+    auto it = pool.free_blocks.lower_bound(bytes);
+    if (it != pool.free_blocks.end() && it->first <= 2 * bytes) {
+      void* p = it->second;  // its header still holds its real size
+      pool.free_bytes -= it->first;
+      pool.free_blocks.erase(it);
+      return static_cast<char*>(p) + 64;
+    }
+  }
+  void* p = std::malloc(bytes + 64);
+  if (p == nullptr) throw std::bad_alloc();
+  *static_cast<size_t*>(p) = bytes;
+  return static_cast<char*>(p) + 64;
+}
+
+void FreeOutputMemory(void* user, size_t /*bytes*/) {
+  if (user == nullptr) return;
+  void* p = static_cast<char*>(user) - 64;
+  const size_t size = *static_cast<size_t*>(p);
+  if (size >= kPooledMin) {
+    OutputPool& pool = Pool();
+    absl::MutexLock lock(&pool.mu);
+    if (pool.free_bytes + size <= kPoolCap) {
+      pool.free_blocks.emplace(size, p);
+      pool.free_bytes += size;
+      return;
+    }
+  }
+  std::free(p);
 }
 
 namespace internal {

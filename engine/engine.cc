@@ -1,7 +1,15 @@
 #include "engine/engine.h"
 
+#include <deque>
+#include <functional>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "engine/backend.h"
 #include "engine/internal.h"
 #include "engine/reference.h"
 #include "engine/status_macros.h"
@@ -61,21 +69,91 @@ absl::Status CheckLimits(const AttentionArgs& args, const AttentionShape& s,
 
 }  // namespace
 
+// One compute thread runs every call, in arrival order; the backend's own
+// parallelism (OpenMP) fans out from that thread only.
+struct Engine::Impl {
+  std::unique_ptr<internal::ComputeBackend> backend;
+  int threads = 1;
+
+  absl::Mutex mu;
+  std::deque<std::function<void()>> queue ABSL_GUARDED_BY(mu);
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  std::thread worker;
+
+  void Loop() {
+    while (true) {
+      std::function<void()> task;
+      {
+        absl::MutexLock lock(&mu);
+        mu.Await(absl::Condition(
+            +[](Impl* impl) ABSL_EXCLUSIVE_LOCKS_REQUIRED(impl->mu) {
+              return impl->stopping || !impl->queue.empty();
+            },
+            this));
+        if (queue.empty()) return;
+        task = std::move(queue.front());
+        queue.pop_front();
+      }
+      task();
+    }
+  }
+
+  void RunOnWorker(std::function<void()> task) {
+    absl::Notification done;
+    {
+      absl::MutexLock lock(&mu);
+      queue.push_back([&] {
+        task();
+        done.Notify();
+      });
+    }
+    done.WaitForNotification();
+  }
+};
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   if (options.max_tensor_elements < 0 || options.max_score_elements < 0) {
     return absl::InvalidArgumentError("engine limits must be >= 0 (0 means no limit)");
   }
-  return std::unique_ptr<Engine>(new Engine(options));
+  if (options.threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine threads ", options.threads, " must be >= 0 (0 means one per core)"));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->threads = options.threads > 0
+                      ? options.threads
+                      : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (options.backend == Backend::kReference) {
+    impl->backend = internal::MakeReferenceBackend();
+    impl->threads = 1;
+  } else {
+    ATTN_ASSIGN_OR_RETURN(impl->backend, internal::MakeOneDnnBackend(impl->threads));
+  }
+  impl->worker = std::thread([p = impl.get()] { p->Loop(); });
+  return std::unique_ptr<Engine>(new Engine(options, std::move(impl)));
 }
 
-Engine::~Engine() = default;
+Engine::Engine(const EngineOptions& options, std::unique_ptr<Impl> impl)
+    : options_(options), impl_(std::move(impl)) {}
 
-std::string Engine::backend_name() const { return "reference"; }
+Engine::~Engine() {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->worker.join();
+}
+
+std::string Engine::backend_name() const { return impl_->backend->name(); }
+std::string Engine::isa() const { return impl_->backend->isa(); }
+int Engine::threads() const { return impl_->threads; }
 
 absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const {
   ATTN_ASSIGN_OR_RETURN(AttentionShape shape, ResolveShape(args));
   ATTN_RETURN_IF_ERROR(CheckLimits(args, shape, options_));
-  return internal::ReferenceAttend(args, shape);
+  absl::StatusOr<AttentionResult> result;
+  impl_->RunOnWorker([&] { result = impl_->backend->Run(args, shape); });
+  return result;
 }
 
 }  // namespace attention

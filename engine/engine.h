@@ -10,20 +10,28 @@
 
 namespace attention {
 
-enum class Backend { kReference };
+enum class Backend {
+  kReference,  // plain loops, double accumulation: the oracle
+  kOneDnn,     // oneDNN matmuls, fused blocked attention when weights are not needed
+};
 
 struct EngineOptions {
-  Backend backend = Backend::kReference;
+  Backend backend = Backend::kOneDnn;
+  // Compute threads; 0 means one per core. All calls run on these threads
+  // (one owner of the cores), one call at a time.
+  int threads = 0;
   // Largest element count of any one input tensor; 0 means no limit.
   int64_t max_tensor_elements = int64_t{1} << 28;
   // Largest B*H*L*S of one call; 0 means no limit.
   int64_t max_score_elements = int64_t{1} << 28;
 };
 
-// Computes attention. Thread-safe: Attend may be called from many threads.
+// Computes attention. Thread-safe: Attend may be called from many threads;
+// calls run one at a time on the engine's own compute threads, so concurrent
+// callers never oversubscribe the cores.
 class Engine {
  public:
-  // Returns INVALID_ARGUMENT for inconsistent options.
+  // Starts the compute threads. INVALID_ARGUMENT for inconsistent options.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
 
   Engine(const Engine&) = delete;
@@ -35,12 +43,18 @@ class Engine {
   absl::StatusOr<AttentionResult> Attend(const AttentionArgs& args) const;
 
   const EngineOptions& options() const { return options_; }
-  // "reference", ...
+  // "reference" or "onednn".
   std::string backend_name() const;
+  // The instruction set the backend runs ("avx512_core_bf16", ..., or "generic").
+  std::string isa() const;
+  // Compute threads in use.
+  int threads() const;
 
  private:
-  explicit Engine(const EngineOptions& options) : options_(options) {}
+  struct Impl;
+  Engine(const EngineOptions& options, std::unique_ptr<Impl> impl);
   EngineOptions options_;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace attention

@@ -14,10 +14,10 @@ namespace {
 using internal::ShapeString;
 
 // y[r, o] = sum_i x[r, i] * w[o, i] + b[o], double accumulation (torch's Linear).
-std::vector<float> Linear(const std::vector<float>& x, int64_t in, const float* w,
-                          const float* b, int64_t out) {
+template <typename Floats>
+FloatBuffer Linear(const Floats& x, int64_t in, const float* w, const float* b, int64_t out) {
   const int64_t rows = static_cast<int64_t>(x.size()) / in;
-  std::vector<float> y(static_cast<size_t>(rows * out));
+  FloatBuffer y(static_cast<size_t>(rows * out));
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x.data() + r * in;
     for (int64_t o = 0; o < out; ++o) {
@@ -32,12 +32,12 @@ std::vector<float> Linear(const std::vector<float>& x, int64_t in, const float* 
 
 // Appends `rows` (each `dim` floats, one set per batch entry) after the
 // `len` positions of every batch entry of a [B, len, dim] / [len, B, dim] tensor.
-std::vector<float> AppendPositions(const std::vector<float>& x, Layout layout, int64_t batch,
+FloatBuffer AppendPositions(const FloatBuffer& x, Layout layout, int64_t batch,
                                    int64_t len, int64_t dim,
                                    const std::vector<const float*>& rows) {
   const int64_t extra = static_cast<int64_t>(rows.size());
   const int64_t new_len = len + extra;
-  std::vector<float> y(static_cast<size_t>(batch * new_len * dim));
+  FloatBuffer y(static_cast<size_t>(batch * new_len * dim));
   auto offset = [&](int64_t b, int64_t j, int64_t n) {
     return (layout == Layout::kBatchFirst ? b * n + j : j * batch + b) * dim;
   };
@@ -50,7 +50,7 @@ std::vector<float> AppendPositions(const std::vector<float>& x, Layout layout, i
   return y;
 }
 
-TensorView ViewOf(const std::vector<float>& data, std::vector<int64_t> shape) {
+TensorView ViewOf(const FloatBuffer& data, std::vector<int64_t> shape) {
   return TensorView{DType::kFloat32, std::move(shape), data.data(), data.size() * sizeof(float)};
 }
 
@@ -192,9 +192,9 @@ absl::StatusOr<AttentionResult> MultiheadAttention::Forward(const Engine& engine
   const float* bk = in_b ? bq + e : nullptr;
   const float* bv = in_b ? bq + 2 * e : nullptr;
 
-  std::vector<float> pq = Linear(internal::LoadFloats(q), e, wq, bq, e);
-  std::vector<float> pk = Linear(internal::LoadFloats(k), kdim, wk, bk, e);
-  std::vector<float> pv = Linear(internal::LoadFloats(v), vdim, wv, bv, e);
+  FloatBuffer pq = Linear(internal::LoadFloats(q), e, wq, bq, e);
+  FloatBuffer pk = Linear(internal::LoadFloats(k), kdim, wk, bk, e);
+  FloatBuffer pv = Linear(internal::LoadFloats(v), vdim, wv, bv, e);
 
   std::vector<const float*> extra_k, extra_v;
   const std::vector<float> zeros(e, 0.0f);

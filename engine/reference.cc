@@ -4,6 +4,7 @@
 #include <limits>
 #include <vector>
 
+#include "engine/backend.h"
 #include "engine/internal.h"
 
 namespace attention::internal {
@@ -281,6 +282,27 @@ AttentionResult ReferenceAttend(const AttentionArgs& args, const AttentionShape&
     }
   }
   return result;
+}
+
+}  // namespace attention::internal
+
+namespace attention::internal {
+namespace {
+
+class ReferenceBackend final : public ComputeBackend {
+ public:
+  absl::StatusOr<AttentionResult> Run(const AttentionArgs& args,
+                                      const AttentionShape& shape) override {
+    return ReferenceAttend(args, shape);
+  }
+  std::string name() const override { return "reference"; }
+  std::string isa() const override { return "generic"; }
+};
+
+}  // namespace
+
+std::unique_ptr<ComputeBackend> MakeReferenceBackend() {
+  return std::make_unique<ReferenceBackend>();
 }
 
 }  // namespace attention::internal

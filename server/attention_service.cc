@@ -23,14 +23,6 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const abs
   return reactor;
 }
 
-const char* IsaName(Backend backend) {
-  switch (backend) {
-    case Backend::kReference:
-      return "generic";
-  }
-  return "unknown";
-}
-
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepository* models,
@@ -93,8 +85,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   const EngineOptions& options = engine_->options();
   response->set_version(ATTENTION_VERSION);
   response->set_engine_backend(engine_->backend_name());
-  response->set_engine_isa(IsaName(options.backend));
-  response->set_engine_threads(1);
+  response->set_engine_isa(engine_->isa());
+  response->set_engine_threads(engine_->threads());
   v1::Limits* limits = response->mutable_limits();
   limits->set_max_message_bytes(max_message_bytes_);
   limits->set_max_tensor_elements(options.max_tensor_elements);

@@ -30,6 +30,11 @@ ABSL_FLAG(int64_t, max_score_elements, attention::EngineOptions().max_score_elem
 ABSL_FLAG(std::string, model_repository, ATTENTION_DEFAULT_MODEL_REPOSITORY,
           "Folder of model folders (config.pbtxt + weights.safetensors) to serve; empty for "
           "none");
+ABSL_FLAG(std::string, engine, "onednn",
+          "Compute backend: onednn, or reference (plain loops, the test oracle; slow)");
+ABSL_FLAG(int32_t, engine_threads, 0,
+          "Threads the engine computes on; 0 means one per core. Calls run one at a time on "
+          "them, so concurrent requests never oversubscribe the cores");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port number is written to this file once the server serves");
 
@@ -74,6 +79,15 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
+  const std::string engine = absl::GetFlag(FLAGS_engine);
+  if (engine == "reference") {
+    options.engine.backend = attention::Backend::kReference;
+  } else if (engine != "onednn") {
+    std::fprintf(stderr, "attention_server: --engine=%s: want onednn or reference\n",
+                 engine.c_str());
+    return 1;
+  }
+  options.engine.threads = absl::GetFlag(FLAGS_engine_threads);
   options.engine.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   options.engine.max_score_elements = absl::GetFlag(FLAGS_max_score_elements);
   absl::StatusOr<std::unique_ptr<attention::AttentionServer>> server =

@@ -171,13 +171,13 @@ StateDict StateDictOf(const GoldenCase& c) {
   StateDict dict;
   for (const auto& [key, value] : c.multihead.at("state_dict").items()) {
     GoldenTensor t = ParseTensor(value);
-    dict[key] = Tensor{t.shape, std::vector<float>(t.values.begin(), t.values.end())};
+    dict[key] = Tensor{t.shape, FloatBuffer(t.values.begin(), t.values.end())};
   }
   return dict;
 }
 
 ::testing::AssertionResult AllClose(const std::vector<int64_t>& got_shape,
-                                    const std::vector<float>& got, const GoldenTensor& want,
+                                    absl::Span<const float> got, const GoldenTensor& want,
                                     double atol, double rtol) {
   if (got_shape != want.shape) {
     return ::testing::AssertionFailure()

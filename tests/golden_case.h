@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "engine/attention.h"
 #include "engine/multihead.h"
 #include "gtest/gtest.h"
@@ -66,7 +67,7 @@ StateDict StateDictOf(const GoldenCase& c);
 
 // |got - want| <= atol + rtol * |want| element-wise, and equal shapes.
 ::testing::AssertionResult AllClose(const std::vector<int64_t>& got_shape,
-                                    const std::vector<float>& got, const GoldenTensor& want,
+                                    absl::Span<const float> got, const GoldenTensor& want,
                                     double atol, double rtol);
 
 }  // namespace attention::testing

@@ -25,10 +25,10 @@ constexpr char kConfig[] = "embed_dim: 4\nnum_heads: 2\n";
 // A valid state_dict for kConfig.
 StateDict SmallWeights() {
   StateDict d;
-  d["in_proj_weight"] = Tensor{{12, 4}, std::vector<float>(48, 0.1f)};
-  d["in_proj_bias"] = Tensor{{12}, std::vector<float>(12, 0.0f)};
-  d["out_proj.weight"] = Tensor{{4, 4}, std::vector<float>(16, 0.2f)};
-  d["out_proj.bias"] = Tensor{{4}, std::vector<float>(4, 0.0f)};
+  d["in_proj_weight"] = Tensor{{12, 4}, FloatBuffer(48, 0.1f)};
+  d["in_proj_bias"] = Tensor{{12}, FloatBuffer(12, 0.0f)};
+  d["out_proj.weight"] = Tensor{{4, 4}, FloatBuffer(16, 0.2f)};
+  d["out_proj.bias"] = Tensor{{4}, FloatBuffer(4, 0.0f)};
   return d;
 }
 
@@ -123,7 +123,7 @@ TEST_F(ModelRepositoryTest, RejectsByteRangeThatDoesNotMatchTheShape) {
 
 TEST_F(ModelRepositoryTest, RejectsShapeThatDoesNotMatchTheConfig) {
   StateDict d = SmallWeights();
-  d["out_proj.weight"] = Tensor{{4, 3}, std::vector<float>(12, 0.2f)};
+  d["out_proj.weight"] = Tensor{{4, 3}, FloatBuffer(12, 0.2f)};
   EXPECT_THAT(ModelRepository::Load(Repo(kConfig, SafetensorsBytes(d))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight \"out_proj.weight\" has shape [4, 3]; want [4, 4]")));
 }
@@ -137,7 +137,7 @@ TEST_F(ModelRepositoryTest, RejectsMissingKey) {
 
 TEST_F(ModelRepositoryTest, RejectsExtraKey) {
   StateDict d = SmallWeights();
-  d["bias_k"] = Tensor{{1, 1, 4}, std::vector<float>(4, 0.0f)};
+  d["bias_k"] = Tensor{{1, 1, 4}, FloatBuffer(4, 0.0f)};
   EXPECT_THAT(ModelRepository::Load(Repo(kConfig, SafetensorsBytes(d))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unexpected weight \"bias_k\"")));
 }
@@ -185,8 +185,8 @@ TEST(SafetensorsTest, ReadsHalfPrecisionTensors) {
   bytes.append(reinterpret_cast<const char*>(data), sizeof data);
   auto dict = ParseSafetensors(bytes, "t");
   ASSERT_TRUE(dict.ok()) << dict.status();
-  EXPECT_EQ(dict->at("a").data, (std::vector<float>{1.0f, -2.0f}));
-  EXPECT_EQ(dict->at("b").data, (std::vector<float>{0.5f}));
+  EXPECT_EQ(dict->at("a").data, (FloatBuffer{1.0f, -2.0f}));
+  EXPECT_EQ(dict->at("b").data, (FloatBuffer{0.5f}));
 }
 
 TEST(SafetensorsTest, RejectsHeaderThatIsNotJson) {

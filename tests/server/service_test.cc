@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -25,7 +26,9 @@ using ::testing::ElementsAre;
 using ::testing::Eq;
 using ::testing::Ge;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 using ::testing::MatchesRegex;
+using ::testing::Not;
 using ::testing::Property;
 
 // query [2, 3, 4], key [2, 5, 4], value [2, 5, 6], valid_lens [2].
@@ -61,6 +64,20 @@ TEST_F(ServiceTest, ServerInfoDescribesTheServer) {
   absl::StatusOr<v1::ServerInfo> info = client().GetServerInfo();
   ASSERT_THAT(info, IsOk());
   EXPECT_THAT(info->version(), MatchesRegex("[0-9]+\\.[0-9]+\\.[0-9]+"));
+  // The service never runs the reference backend unless asked.
+  EXPECT_EQ(info->engine_backend(), "onednn");
+  EXPECT_THAT(info->engine_isa(), Not(IsEmpty()));
+  EXPECT_NE(info->engine_isa(), "generic");
+  EXPECT_EQ(info->engine_threads(), static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+TEST(ServiceEngineTest, ReportsTheReferenceBackendWhenAskedFor) {
+  ServerOptions options;
+  options.engine.backend = Backend::kReference;
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  absl::StatusOr<v1::ServerInfo> info = (*server)->client().GetServerInfo();
+  ASSERT_THAT(info, IsOk());
   EXPECT_EQ(info->engine_backend(), "reference");
   EXPECT_EQ(info->engine_isa(), "generic");
   EXPECT_EQ(info->engine_threads(), 1);

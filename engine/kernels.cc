@@ -1,0 +1,153 @@
+#include "engine/kernels.h"
+
+#include <cstring>
+#include <limits>
+
+// Each hot loop is compiled twice, for AVX-512 (x86-64-v4) and for any
+// x86-64, and the loader picks one for the CPU it runs on.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ATTN_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
+#else
+#define ATTN_CLONES
+#endif
+
+namespace attention::internal {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// Cephes-style expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6
+// polynomial, 2^n by building the exponent bits. Branch-free, so loops vectorise.
+inline float Exp(float x) {
+  const float lo = -87.33654f, hi = 88.37626f;
+  const bool underflow = !(x >= lo);  // also true for NaN? no: NaN handled below
+  const float xc = x < lo ? lo : (x > hi ? hi : x);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float t = xc * 1.44269504088896341f + magic;
+  const float n = t - magic;
+  const int32_t ni = static_cast<int32_t>(FloatToBits(t) - FloatToBits(magic));
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const float scale = BitsToFloat(static_cast<uint32_t>(ni + 127) << 23);
+  float result = y * scale;
+  result = underflow ? 0.0f : result;
+  return x != x ? x : result;  // NaN stays NaN
+}
+
+}  // namespace
+
+ATTN_CLONES void ExpInPlace(float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) x[j] = Exp(x[j]);
+}
+
+ATTN_CLONES float RowMax(const float* x, int64_t n) {
+  float m = kNegInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+ATTN_CLONES float ExpShiftSum(float* x, int64_t n, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = Exp(x[j] - shift);
+    x[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+ATTN_CLONES void Scale(float* x, int64_t n, float factor) {
+  for (int64_t j = 0; j < n; ++j) x[j] *= factor;
+}
+
+ATTN_CLONES void ScaleAddBias(float* x, int64_t n, float scale, const float* bias) {
+  if (bias == nullptr) {
+    for (int64_t j = 0; j < n; ++j) x[j] *= scale;
+  } else {
+    for (int64_t j = 0; j < n; ++j) x[j] = x[j] * scale + bias[j];
+  }
+}
+
+ATTN_CLONES void CosineScale(float* x, int64_t n, float scale, float row_norm,
+                             const float* col_norm) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float d = row_norm * col_norm[j];
+    x[j] = x[j] * scale / (d > 1e-8f ? d : 1e-8f);
+  }
+}
+
+ATTN_CLONES void Add(float* x, int64_t n, const float* add) {
+  for (int64_t j = 0; j < n; ++j) x[j] += add[j];
+}
+
+ATTN_CLONES void MaskBool(float* x, int64_t n, const uint8_t* mask) {
+  for (int64_t j = 0; j < n; ++j) x[j] = mask[j] ? kNegInf : x[j];
+}
+
+void FillNegInf(float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) x[j] = kNegInf;
+}
+
+ATTN_CLONES void ToBFloat16(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t u = FloatToBits(x[j]);
+    const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    y[j] = static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : (rounded >> 16));
+  }
+}
+
+ATTN_CLONES void FromBFloat16(const uint16_t* x, float* y, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] = BitsToFloat(static_cast<uint32_t>(x[j]) << 16);
+}
+
+ATTN_CLONES float Dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+ATTN_CLONES float SquaredDistance(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) {
+    const float diff = a[d] - b[d];
+    acc += diff * diff;
+  }
+  return acc;
+}
+
+ATTN_CLONES float TanhDot(const float* w, const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t u = 0; u < n; ++u) {
+    // tanh(x) = 1 - 2 / (exp(2x) + 1), exact at +-inf.
+    const float e = Exp(2.0f * (a[u] + b[u]));
+    acc += w[u] * (1.0f - 2.0f / (e + 1.0f));
+  }
+  return acc;
+}
+
+}  // namespace attention::internal

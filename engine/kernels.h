@@ -1,0 +1,48 @@
+#ifndef ATTENTION_ENGINE_KERNELS_H_
+#define ATTENTION_ENGINE_KERNELS_H_
+
+// Vectorised row operations of the oneDNN backend: the element-wise work
+// between its matmuls. Engine-private. Every function works on `n`
+// contiguous floats; none allocates.
+
+#include <cstdint>
+
+namespace attention::internal {
+
+// exp(x) for every element, in place; about 1 ulp; -inf and anything below
+// about -87.3 give exactly 0.
+void ExpInPlace(float* x, int64_t n);
+
+// Largest element; -inf for an empty row or a row of -inf.
+float RowMax(const float* x, int64_t n);
+
+// x[j] = exp(x[j] - shift); returns the sum of the new x.
+float ExpShiftSum(float* x, int64_t n, float shift);
+
+// x[j] *= factor
+void Scale(float* x, int64_t n, float factor);
+// x[j] = x[j] * scale + bias[j] (bias may be null)
+void ScaleAddBias(float* x, int64_t n, float scale, const float* bias);
+// x[j] = x[j] * scale / max(row_norm * col_norm[j], 1e-8)   (cosine)
+void CosineScale(float* x, int64_t n, float scale, float row_norm, const float* col_norm);
+// x[j] += add[j]
+void Add(float* x, int64_t n, const float* add);
+// x[j] = mask[j] ? -inf : x[j]
+void MaskBool(float* x, int64_t n, const uint8_t* mask);
+// x[j] = -inf
+void FillNegInf(float* x, int64_t n);
+
+// y[j] = bf16(x[j]), round to nearest even.
+void ToBFloat16(const float* x, uint16_t* y, int64_t n);
+// y[j] = float(x[j]).
+void FromBFloat16(const uint16_t* x, float* y, int64_t n);
+
+// sum_d a[d] * b[d] and sum_d (a[d] - b[d])^2 in float.
+float Dot(const float* a, const float* b, int64_t n);
+float SquaredDistance(const float* a, const float* b, int64_t n);
+// sum_u w[u] * tanh(a[u] + b[u])   (additive score)
+float TanhDot(const float* w, const float* a, const float* b, int64_t n);
+
+}  // namespace attention::internal
+
+#endif  // ATTENTION_ENGINE_KERNELS_H_
