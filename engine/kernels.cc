@@ -77,6 +77,18 @@ ATTN_CLONES float ExpShiftSum(float* x, int64_t n, float shift) {
   return sum;
 }
 
+ATTN_CLONES float ExpShiftSumToBFloat16(const float* x, uint16_t* y, int64_t n, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = Exp(x[j] - shift);
+    sum += e;
+    const uint32_t u = FloatToBits(e);  // finite and >= 0: no NaN case
+    y[j] = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  return sum;
+}
+
 ATTN_CLONES void Scale(float* x, int64_t n, float factor) {
   for (int64_t j = 0; j < n; ++j) x[j] *= factor;
 }

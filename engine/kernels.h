@@ -19,6 +19,9 @@ float RowMax(const float* x, int64_t n);
 // x[j] = exp(x[j] - shift); returns the sum of the new x.
 float ExpShiftSum(float* x, int64_t n, float shift);
 
+// y[j] = bf16(exp(x[j] - shift)); returns the sum of the float values.
+float ExpShiftSumToBFloat16(const float* x, uint16_t* y, int64_t n, float shift);
+
 // x[j] *= factor
 void Scale(float* x, int64_t n, float factor);
 // x[j] = x[j] * scale + bias[j] (bias may be null)

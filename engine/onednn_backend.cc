@@ -110,26 +110,41 @@ struct ThreadContext {
 
   explicit ThreadContext(const dnnl::engine& e) : engine(e), stream(e) {}
 
+  // Runs one cached matmul; its memory objects are made once per thread
+  // and only re-pointed afterwards.
   void RunMatmul(MatmulCache& cache, const MatmulKey& key, const void* a, const void* b, float* c,
                  float scale = 1.0f) {
     const Matmul& mm = cache.Get(key);
-    if (scratchpad.size() < mm.scratchpad_bytes) scratchpad.resize(mm.scratchpad_bytes);
-    dnnl::memory am(mm.a, engine, const_cast<void*>(a));
-    dnnl::memory bm(mm.b, engine, const_cast<void*>(b));
-    dnnl::memory cm(mm.c, engine, c);
-    dnnl::memory sm(dnnl::memory::desc({static_cast<int64_t>(mm.scratchpad_bytes)},
-                                       dnnl::memory::data_type::u8, dnnl::memory::dims{1}),
-                    engine, scratchpad.data());
-    std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, am},
-                                               {DNNL_ARG_WEIGHTS, bm},
-                                               {DNNL_ARG_DST, cm},
-                                               {DNNL_ARG_SCRATCHPAD, sm}};
-    if (key.scaled) {
-      args[DNNL_ARG_ATTR_OUTPUT_SCALES] =
-          dnnl::memory({{1}, dnnl::memory::data_type::f32, dnnl::memory::dims{1}}, engine, &scale);
+    auto [it, added] = bound.try_emplace(&mm);
+    Bound& bd = it->second;
+    if (added) {
+      bd.args[DNNL_ARG_SRC] = dnnl::memory(mm.a, engine, nullptr);
+      bd.args[DNNL_ARG_WEIGHTS] = dnnl::memory(mm.b, engine, nullptr);
+      bd.args[DNNL_ARG_DST] = dnnl::memory(mm.c, engine, nullptr);
+      bd.args[DNNL_ARG_SCRATCHPAD] = dnnl::memory(
+          dnnl::memory::desc({static_cast<int64_t>(mm.scratchpad_bytes)},
+                             dnnl::memory::data_type::u8, dnnl::memory::dims{1}),
+          engine, nullptr);
+      if (key.scaled) {
+        bd.args[DNNL_ARG_ATTR_OUTPUT_SCALES] = dnnl::memory(
+            {{1}, dnnl::memory::data_type::f32, dnnl::memory::dims{1}}, engine, &bd.scale);
+      }
     }
-    mm.primitive.execute(stream, args);
+    if (scratchpad.size() < mm.scratchpad_bytes) scratchpad.resize(mm.scratchpad_bytes);
+    bd.args[DNNL_ARG_SRC].set_data_handle(const_cast<void*>(a));
+    bd.args[DNNL_ARG_WEIGHTS].set_data_handle(const_cast<void*>(b));
+    bd.args[DNNL_ARG_DST].set_data_handle(c);
+    bd.args[DNNL_ARG_SCRATCHPAD].set_data_handle(scratchpad.data());
+    bd.scale = scale;
+    mm.primitive.execute(stream, bd.args);
   }
+
+  struct Bound {
+    std::unordered_map<int, dnnl::memory> args;
+    float scale = 1.0f;
+  };
+  // std::map: Bound::scale's address must not move.
+  std::map<const Matmul*, Bound> bound;
 };
 
 // ---------------------------------------------------------------------------
@@ -166,9 +181,13 @@ class Storage {
     if (v.dtype == DType::kBFloat16) return static_cast<const uint16_t*>(v.data);
     auto [it, added] = half_copies_.try_emplace(v.data);
     if (added) {
-      const size_t n = v.size_bytes / DTypeSize(v.dtype);
-      it->second.resize(n);
-      ToBFloat16(Floats(v), it->second.data(), static_cast<int64_t>(n));
+      const int64_t n = static_cast<int64_t>(v.size_bytes / DTypeSize(v.dtype));
+      it->second.resize(static_cast<size_t>(n));
+      const float* f = Floats(v);
+      uint16_t* out = it->second.data();
+      constexpr int64_t kChunk = 1 << 16;
+#pragma omp parallel for schedule(static)
+      for (int64_t c = 0; c < n; c += kChunk) ToBFloat16(f + c, out + c, std::min(kChunk, n - c));
     }
     return it->second.data();
   }
@@ -298,6 +317,7 @@ struct Problem {
   const float* col_norm = nullptr;  // cosine: |k| per (b, hk, j), [Bk, Hk, S]
   const float* key_bias = nullptr;  // gaussian: -bw^2/2 |k|^2 per (b, hk, j)
   int64_t key_batches = 1;          // batch dim of key: B or 1
+  int64_t query_batches = 1;        // batch dim of query: B or 1
   // additive: W_q q per query row [Bq, H, L, hidden], W_k k per key, w_v
   const float* add_q = nullptr;
   const float* add_k = nullptr;
@@ -339,7 +359,10 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
   p.gemm_scores = p.kind != ScoreKind::kAdditive && p.kind != ScoreKind::kNegEuclidean;
   const bool bf16_input = qv.dtype == DType::kBFloat16 || kv.dtype == DType::kBFloat16 ||
                           vv.dtype == DType::kBFloat16;
-  p.bf16 = cpu_bf16 && (a.fast || bf16_input);
+  // Gaussian scores are bw^2 q.k - bw^2/2 |k|^2: bf16 rounding of q and k
+  // (relative 2^-9) is multiplied by bw^2 |q||k| before the terms cancel, so
+  // they keep float32 matmuls.
+  p.bf16 = cpu_bf16 && (a.fast || bf16_input) && p.kind != ScoreKind::kGaussian;
   p.scale = static_cast<float>(EffectiveScale(a.score, s.query_dim));
 
   const int64_t H = s.heads, Hk = s.kv_heads, L = s.query_len, S = s.key_len;
@@ -347,12 +370,14 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
   p.qf = MakeOperand(qv, a, s, H, s.query_dim, false, st);
   p.kf = MakeOperand(kv, a, s, Hk, s.key_dim, false, st);
   const int64_t Bq = BatchOf(qv, a, s.rank4), Bk = p.key_batches;
+  p.query_batches = Bq;
 
   if (p.kind == ScoreKind::kBilinear) {
     // q' = q W per head, [Bq, H, L, Dk]; then scores are q' . k.
     const std::vector<float> w = LoadFloats(a.score.w);
     const int64_t dq = s.query_dim, dk = s.key_dim;
     std::vector<float>& qw = st.NewFloats(static_cast<size_t>(Bq * H * L * dk));
+#pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < Bq; ++b)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t i = 0; i < L; ++i) {
@@ -383,6 +408,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
 
   if (p.kind == ScoreKind::kCosine) {
     std::vector<float>& rn = st.NewFloats(static_cast<size_t>(Bq * H * L));
+#pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < Bq; ++b)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t i = 0; i < L; ++i) {
@@ -390,6 +416,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
           rn[(b * H + h) * L + i] = std::sqrt(Dot(r, r, s.query_dim));
         }
     std::vector<float>& cn = st.NewFloats(static_cast<size_t>(Bk * Hk * S));
+#pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < Bk; ++b)
       for (int64_t h = 0; h < Hk; ++h)
         for (int64_t j = 0; j < S; ++j) {
@@ -407,6 +434,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
     const float base_scale = a.score.scale ? static_cast<float>(*a.score.scale) : 1.0f;
     p.scale = factor * base_scale;
     std::vector<float>& kb = st.NewFloats(static_cast<size_t>(Bk * Hk * S));
+#pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < Bk; ++b)
       for (int64_t h = 0; h < Hk; ++h)
         for (int64_t j = 0; j < S; ++j) {
@@ -422,6 +450,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
     auto project = [&](const Operand& src, int64_t batches, int64_t heads, int64_t rows,
                        const std::vector<float>& w, int64_t dim) {
       std::vector<float>& out = st.NewFloats(static_cast<size_t>(batches * heads * rows * p.hidden));
+#pragma omp parallel for collapse(3) schedule(static)
       for (int64_t b = 0; b < batches; ++b)
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t r = 0; r < rows; ++r) {
@@ -457,7 +486,8 @@ void Scores(const Problem& p, MatmulCache& cache, ThreadContext& t, int64_t b, i
     const int64_t i = i0 + r;
     switch (p.kind) {
       case ScoreKind::kCosine:
-        CosineScale(row, n, p.scale, p.row_norm[(b * p.s.heads + h) * p.s.query_len + i],
+        CosineScale(row, n, p.scale,
+                    p.row_norm[((p.query_batches == 1 ? 0 : b) * p.s.heads + h) * p.s.query_len + i],
                     p.col_norm + (bk * p.s.kv_heads + hk) * S + j0);
         break;
       case ScoreKind::kGaussian:
@@ -503,7 +533,7 @@ float* OutRow(const Problem& p, AttentionResult& r, int64_t b, int64_t h, int64_
 void FusedBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, AttentionResult& result,
                 int64_t b, int64_t h, int64_t i0, int64_t m) {
   const AttentionArgs& a = *p.args;
-  const int64_t S = p.s.key_len, Dv = p.s.value_dim, hk = p.KeyHead(h), bk = p.KeyBatch(b);
+  const int64_t S = p.s.key_len, Dv = p.s.value_dim, hk = p.KeyHead(h);
   t.scores.resize(static_cast<size_t>(kQueryBlock * kKeyBlock));
   if (p.bf16) t.probs.resize(t.scores.size());
   t.acc.assign(static_cast<size_t>(m * Dv), 0.0f);
@@ -525,10 +555,14 @@ void FusedBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, Attentio
           std::fill(row, row + n, 0.0f);
         } else {
           const float alpha = t.row_max[r] == kNegInf ? 0.0f : std::exp(t.row_max[r] - new_max);
-          const float sum = ExpShiftSum(row, n, new_max);
-          t.row_sum[r] = t.row_sum[r] * alpha + sum;
           t.row_max[r] = new_max;
           if (alpha != 1.0f) Scale(t.acc.data() + r * Dv, Dv, alpha);
+          uint16_t* probs = t.probs.data() + r * kKeyBlock;
+          if (p.bf16 && a.dropout_p == 0) {
+            t.row_sum[r] = t.row_sum[r] * alpha + ExpShiftSumToBFloat16(row, probs, n, new_max);
+            continue;
+          }
+          t.row_sum[r] = t.row_sum[r] * alpha + ExpShiftSum(row, n, new_max);
           if (a.dropout_p > 0) {
             Dropout(a, row, n,
                     static_cast<uint64_t>(((b * p.s.heads + h) * p.s.query_len + i0 + r) * S + j0));
@@ -538,7 +572,7 @@ void FusedBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, Attentio
       }
       const MatmulKey key{m, Dv, n, kKeyBlock, p.v.ld(), Dv, false, p.bf16, true};
       const void* probs = p.bf16 ? static_cast<const void*>(t.probs.data()) : t.scores.data();
-      t.RunMatmul(cache, key, probs, p.v.Row(bk, hk, j0), t.acc.data());
+      t.RunMatmul(cache, key, probs, p.v.Row(b, hk, j0), t.acc.data());
     }
   }
   for (int64_t r = 0; r < m; ++r) {
@@ -554,30 +588,47 @@ void FusedBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, Attentio
 void WeightsBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, AttentionResult& result,
                   int64_t b, int64_t h, int64_t i0, int64_t m, float* weights) {
   const AttentionArgs& a = *p.args;
-  const int64_t S = p.s.key_len, Dv = p.s.value_dim, hk = p.KeyHead(h), bk = p.KeyBatch(b);
-  for (int64_t j0 = 0; j0 < S; j0 += kKeyBlock) {
-    Scores(p, cache, t, b, h, i0, m, j0, std::min(kKeyBlock, S - j0), weights + j0, S);
+  const int64_t S = p.s.key_len, Dv = p.s.value_dim, hk = p.KeyHead(h);
+  // Keys masked for every row of the block (causal, valid_lens) get no
+  // matmul; rounded up to whole key blocks so few shape classes arise.
+  int64_t reach = 0;
+  for (int64_t r = 0; r < m; ++r) reach = std::max(reach, p.masks.RowLimit(b, i0 + r));
+  const int64_t computed = p.masks.masked_keys < S
+                               ? S
+                               : std::min(S, (reach + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
+  for (int64_t j0 = 0; j0 < computed; j0 += kKeyBlock) {
+    Scores(p, cache, t, b, h, i0, m, j0, std::min(kKeyBlock, computed - j0), weights + j0, S);
+  }
+  if (computed < S) {
+    for (int64_t r = 0; r < m; ++r) std::fill(weights + r * S + computed, weights + (r + 1) * S, 0.0f);
+  }
+  if (computed == 0) {  // every key masked for every row: zero output, no matmul
+    for (int64_t r = 0; r < m; ++r) std::fill_n(OutRow(p, result, b, h, i0 + r), Dv, 0.0f);
+    return;
   }
   for (int64_t r = 0; r < m; ++r) {
     float* row = weights + r * S;
-    const float max = RowMax(row, S);
+    const float max = RowMax(row, computed);
     if (max == kNegInf) {
-      std::fill(row, row + S, 0.0f);
+      std::fill(row, row + computed, 0.0f);
       continue;
     }
-    Scale(row, S, 1.0f / ExpShiftSum(row, S, max));
+    Scale(row, computed, 1.0f / ExpShiftSum(row, computed, max));
     if (a.dropout_p > 0) {
       Dropout(a, row, S, static_cast<uint64_t>(((b * p.s.heads + h) * p.s.query_len + i0 + r) * S));
     }
   }
   const void* probs = weights;
   if (p.bf16) {
-    t.probs.resize(static_cast<size_t>(m * S));
-    ToBFloat16(weights, t.probs.data(), m * S);
+    t.probs.resize(static_cast<size_t>(m * computed));
+    for (int64_t r = 0; r < m; ++r) {
+      ToBFloat16(weights + r * S, t.probs.data() + r * computed, computed);
+    }
     probs = t.probs.data();
   }
-  const MatmulKey key{m, Dv, S, S, p.v.ld(), p.out_ix.pos_stride, false, p.bf16, false};
-  t.RunMatmul(cache, key, probs, p.v.Row(bk, hk, 0), OutRow(p, result, b, h, i0));
+  const MatmulKey key{m,    Dv,     computed, p.bf16 ? computed : S, p.v.ld(), p.out_ix.pos_stride,
+                      false, p.bf16, false};
+  t.RunMatmul(cache, key, probs, p.v.Row(b, hk, 0), OutRow(p, result, b, h, i0));
 }
 
 std::string IsaName(dnnl::cpu_isa isa) {
@@ -628,6 +679,7 @@ class OneDnnBackend final : public ComputeBackend {
 
  private:
   absl::StatusOr<AttentionResult> RunBlocks(const AttentionArgs& a, const AttentionShape& s) {
+    omp_set_num_threads(threads_);
     Storage storage;
     Problem p = Prepare(a, s, cpu_bf16_, storage);
     const int64_t B = s.batch, H = s.heads, L = s.query_len, S = s.key_len, Dv = s.value_dim;
@@ -656,7 +708,6 @@ class OneDnnBackend final : public ComputeBackend {
     const bool per_head_items = !(a.need_weights && a.average_weights);
     const int64_t items = B * blocks * (per_head_items ? H : 1);
     std::optional<absl::Status> error;
-    omp_set_num_threads(threads_);
 #pragma omp parallel
     {
       ThreadContext t(engine_);

@@ -58,6 +58,7 @@ absl::Status AttentionServiceImpl::DoAttend(const grpc::CallbackServerContext& c
     ATTN_ASSIGN_OR_RETURN(model, FindModel(request.model()));
   }
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<EngineRequest> converted, ToEngineRequest(request));
+  if (model && model->config.precision() == v1::AttendRequest::FAST) converted->args.fast = true;
 
   const absl::Time start = absl::Now();
   ATTN_ASSIGN_OR_RETURN(AttentionResult result,

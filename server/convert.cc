@@ -135,9 +135,6 @@ absl::Status CheckPrecision(int value) {
   if (!v1::AttendRequest::Precision_IsValid(value)) {
     return absl::InvalidArgumentError(absl::StrCat("precision: unknown value ", value));
   }
-  if (value == v1::AttendRequest::FAST) {
-    return absl::UnimplementedError("precision: FAST is not implemented yet; use EXACT");
-  }
   return absl::OkStatus();
 }
 
@@ -180,6 +177,7 @@ absl::StatusOr<std::unique_ptr<EngineRequest>> ToEngineRequest(const v1::AttendR
   a.average_weights = r.average_weights();
   a.dropout_p = r.dropout_p();
   a.seed = r.seed();
+  a.fast = r.precision() == v1::AttendRequest::FAST;
   return req;
 }
 

@@ -34,9 +34,8 @@ struct EngineRequest {
 // result. A tensor with no shape and no elements is absent. INVALID_ARGUMENT
 // names the field for unknown enum values, more than one of data / float_data
 // / int_data, float_data or int_data with a dtype they cannot carry, int_data
-// out of its dtype's range, and a non-float output_dtype. UNIMPLEMENTED for
-// `precision: FAST`. `model` is left to the caller; shapes and byte counts are
-// the engine's to check.
+// out of its dtype's range, and a non-float output_dtype. `model` is left to
+// the caller; shapes and byte counts are the engine's to check.
 absl::StatusOr<std::unique_ptr<EngineRequest>> ToEngineRequest(const v1::AttendRequest& r);
 
 // Writes float32 `t` into `out` as `dtype` (FLOAT32, BFLOAT16 or FLOAT16) in

@@ -72,10 +72,9 @@ absl::StatusOr<v1::ModelConfig> ParseModelConfig(absl::string_view text, const s
 
 absl::StatusOr<Model> BuildModel(v1::ModelConfig config, StateDict weights,
                                  const std::string& source) {
-  if (config.precision() != v1::AttendRequest::EXACT) {
-    return absl::UnimplementedError(
-        absl::StrCat(source, ": precision ", v1::AttendRequest::Precision_Name(config.precision()),
-                     " is not implemented yet; use EXACT"));
+  if (!v1::AttendRequest::Precision_IsValid(config.precision())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": precision: unknown value ", config.precision()));
   }
   if (config.has_batching()) {
     return absl::UnimplementedError(

@@ -203,9 +203,9 @@ TEST_F(ValidationTest, RejectsUnknownModelAsNotFound) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("model: \"demo\" is not registered")));
 }
 
-TEST_F(ValidationTest, RejectsFastPrecisionAsUnimplemented) {
+TEST_F(ValidationTest, AcceptsFastPrecision) {
   EXPECT_THAT(Attend([](v1::AttendRequest& r) { r.set_precision(v1::AttendRequest::FAST); }),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("precision: FAST")));
+              IsOk());
 }
 
 TEST_F(ValidationTest, RejectsDataAndFloatDataBothSet) {
