@@ -5,20 +5,42 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "engine/attention.h"
 
 namespace attention::internal {
 
+// One validated attention call.
+struct BackendCall {
+  const AttentionArgs* args = nullptr;
+  AttentionShape shape;  // from ResolveShape(*args)
+};
+
+// y[rows x out] = x[rows x in] w^T + bias: torch's Linear, w is [out, in].
+struct LinearJob {
+  const float* x = nullptr;
+  int64_t rows = 0, in = 0;
+  const float* w = nullptr;
+  const float* bias = nullptr;  // may be null
+  int64_t out = 0;
+  float* y = nullptr;
+};
+
+// Work is split the same way whether a call runs alone or in a batch, so a
+// call's result never depends on what it was batched with.
 class ComputeBackend {
  public:
   virtual ~ComputeBackend() = default;
-  // Runs one validated call; `shape` comes from ResolveShape(args). Called
-  // from the engine's compute thread only, so implementations may keep
+  // Runs every call in one pass over the compute threads; one result per call.
+  // Called from the engine's compute thread only, so implementations may keep
   // unsynchronised caches.
-  virtual absl::StatusOr<AttentionResult> Run(const AttentionArgs& args,
-                                              const AttentionShape& shape) = 0;
+  virtual std::vector<absl::StatusOr<AttentionResult>> RunBatch(
+      absl::Span<const BackendCall> calls) = 0;
+  // Runs every job in one pass over the compute threads.
+  virtual absl::Status LinearBatch(absl::Span<const LinearJob> jobs) = 0;
   virtual std::string name() const = 0;
   virtual std::string isa() const = 0;
 };

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <deque>
+#include <optional>
 #include <functional>
 #include <thread>
 
@@ -11,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "engine/backend.h"
 #include "engine/internal.h"
+#include "engine/multihead_plan.h"
 #include "engine/reference.h"
 #include "engine/status_macros.h"
 
@@ -149,11 +151,91 @@ std::string Engine::isa() const { return impl_->backend->isa(); }
 int Engine::threads() const { return impl_->threads; }
 
 absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const {
-  ATTN_ASSIGN_OR_RETURN(AttentionShape shape, ResolveShape(args));
-  ATTN_RETURN_IF_ERROR(CheckLimits(args, shape, options_));
-  absl::StatusOr<AttentionResult> result;
-  impl_->RunOnWorker([&] { result = impl_->backend->Run(args, shape); });
-  return result;
+  const EngineCall call{&args, nullptr};
+  return std::move(AttendBatch({&call, 1}).front());
+}
+
+std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatch(
+    absl::Span<const EngineCall> calls) const {
+  const size_t n = calls.size();
+  std::vector<absl::StatusOr<AttentionResult>> results(n);
+  std::vector<std::optional<internal::LayerPlan>> plans(n);
+  std::vector<std::optional<AttentionShape>> shapes(n);
+  auto resolve = [&](const AttentionArgs& args) -> absl::StatusOr<AttentionShape> {
+    ATTN_ASSIGN_OR_RETURN(AttentionShape shape, ResolveShape(args));
+    ATTN_RETURN_IF_ERROR(CheckLimits(args, shape, options_));
+    return shape;
+  };
+  // Validation runs on the caller's thread; only work reaches the compute thread.
+  for (size_t i = 0; i < n; ++i) {
+    if (calls[i].layer != nullptr) {
+      absl::StatusOr<internal::LayerPlan> plan = internal::PlanLayer(*calls[i].layer, *calls[i].args);
+      if (plan.ok()) {
+        plans[i] = std::move(plan).value();
+      } else {
+        results[i] = plan.status();
+      }
+    } else {
+      absl::StatusOr<AttentionShape> shape = resolve(*calls[i].args);
+      if (shape.ok()) {
+        shapes[i] = *shape;
+      } else {
+        results[i] = shape.status();
+      }
+    }
+  }
+  impl_->RunOnWorker([&] {
+    internal::ComputeBackend& backend = *impl_->backend;
+    std::vector<internal::LinearJob> jobs;
+    for (auto& plan : plans) {
+      if (!plan) continue;
+      for (const auto& job : internal::InputProjections(*plan)) jobs.push_back(job);
+    }
+    const absl::Status projected = backend.LinearBatch(jobs);
+    for (size_t i = 0; i < n; ++i) {
+      if (!plans[i]) continue;
+      if (!projected.ok()) {
+        results[i] = projected;
+        plans[i].reset();
+        continue;
+      }
+      internal::BuildInner(*plans[i]);
+      absl::StatusOr<AttentionShape> shape = resolve(plans[i]->inner);
+      if (shape.ok()) {
+        shapes[i] = *shape;
+      } else {
+        results[i] = shape.status();
+        plans[i].reset();
+      }
+    }
+    std::vector<internal::BackendCall> work;
+    std::vector<size_t> index;
+    for (size_t i = 0; i < n; ++i) {
+      if (!shapes[i]) continue;
+      work.push_back({plans[i] ? &plans[i]->inner : calls[i].args, *shapes[i]});
+      index.push_back(i);
+    }
+    std::vector<absl::StatusOr<AttentionResult>> computed = backend.RunBatch(work);
+    for (size_t w = 0; w < index.size(); ++w) results[index[w]] = std::move(computed[w]);
+
+    jobs.clear();
+    std::vector<FloatBuffer> projected_out(n);
+    std::vector<size_t> layer_calls;
+    for (size_t i = 0; i < n; ++i) {
+      if (!plans[i] || !results[i].ok()) continue;
+      jobs.push_back(internal::OutputProjection(*plans[i], results[i]->output.data, projected_out[i]));
+      layer_calls.push_back(i);
+    }
+    const absl::Status out = backend.LinearBatch(jobs);
+    for (size_t i : layer_calls) {
+      if (out.ok()) {
+        results[i]->output.data = std::move(projected_out[i]);
+      } else {
+        results[i] = out;
+      }
+    }
+  });
+  return results;
 }
 
 }  // namespace attention

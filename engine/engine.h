@@ -4,11 +4,21 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "engine/attention.h"
 
 namespace attention {
+
+class MultiheadAttention;
+
+// One call of Engine::AttendBatch: raw attention, or `layer`'s forward.
+struct EngineCall {
+  const AttentionArgs* args = nullptr;
+  const MultiheadAttention* layer = nullptr;
+};
 
 enum class Backend {
   kReference,  // plain loops, double accumulation: the oracle
@@ -41,6 +51,13 @@ class Engine {
   // Runs one call. INVALID_ARGUMENT for malformed arguments (the message names
   // the field and the numbers), RESOURCE_EXHAUSTED over the options' limits.
   absl::StatusOr<AttentionResult> Attend(const AttentionArgs& args) const;
+
+  // Runs several calls as one engine call (dynamic batching): they share each
+  // pass over the compute threads, while every call is split into work exactly
+  // as when it runs alone, so each result is bit-identical to its own Attend /
+  // MultiheadAttention::Forward. One result (or error) per call, in order.
+  std::vector<absl::StatusOr<AttentionResult>> AttendBatch(
+      absl::Span<const EngineCall> calls) const;
 
   const EngineOptions& options() const { return options_; }
   // "reference" or "onednn".

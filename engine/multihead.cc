@@ -6,29 +6,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/internal.h"
+#include "engine/multihead_plan.h"
 #include "engine/status_macros.h"
 
 namespace attention {
 namespace {
 
 using internal::ShapeString;
-
-// y[r, o] = sum_i x[r, i] * w[o, i] + b[o], double accumulation (torch's Linear).
-template <typename Floats>
-FloatBuffer Linear(const Floats& x, int64_t in, const float* w, const float* b, int64_t out) {
-  const int64_t rows = static_cast<int64_t>(x.size()) / in;
-  FloatBuffer y(static_cast<size_t>(rows * out));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x.data() + r * in;
-    for (int64_t o = 0; o < out; ++o) {
-      const float* wo = w + o * in;
-      double acc = b ? b[o] : 0.0;
-      for (int64_t i = 0; i < in; ++i) acc += double{xr[i]} * wo[i];
-      y[r * out + o] = static_cast<float>(acc);
-    }
-  }
-  return y;
-}
 
 // Appends `rows` (each `dim` floats, one set per batch entry) after the
 // `len` positions of every batch entry of a [B, len, dim] / [len, B, dim] tensor.
@@ -140,7 +124,14 @@ const Tensor* MultiheadAttention::Find(const std::string& key) const {
 
 absl::StatusOr<AttentionResult> MultiheadAttention::Forward(const Engine& engine,
                                                             const AttentionArgs& args) const {
-  const MultiheadConfig& c = config_;
+  const EngineCall call{&args, this};
+  return std::move(engine.AttendBatch({&call, 1}).front());
+}
+
+namespace internal {
+
+absl::StatusOr<LayerPlan> PlanLayer(const MultiheadAttention& layer, const AttentionArgs& args) {
+  const MultiheadConfig& c = layer.config();
   const int64_t e = c.embed_dim;
   const int64_t kdim = c.kdim ? c.kdim : e, vdim = c.vdim ? c.vdim : e;
   if (args.num_heads != 0) {
@@ -166,7 +157,7 @@ absl::StatusOr<AttentionResult> MultiheadAttention::Forward(const Engine& engine
                 {"key", k, kdim, "kdim", args.key.present()},
                 {"value", v, vdim, "vdim", args.value.present()}};
   for (const auto& in : inputs) {
-    ATTN_RETURN_IF_ERROR(internal::CheckView(in.view, in.field, internal::Allowed::kFloat, {3}));
+    ATTN_RETURN_IF_ERROR(CheckView(in.view, in.field, Allowed::kFloat, {3}));
     if (in.view.shape[2] != in.dim) {
       return absl::InvalidArgumentError(absl::StrCat(
           in.field, ": last dim ", in.view.shape[2], " does not match the model's ", in.dim_name,
@@ -174,59 +165,91 @@ absl::StatusOr<AttentionResult> MultiheadAttention::Forward(const Engine& engine
     }
   }
   const bool bf = args.layout == Layout::kBatchFirst;
-  const int64_t kb = k.shape[bf ? 0 : 1], ks = k.shape[bf ? 1 : 0];
-  const int64_t vb = v.shape[bf ? 0 : 1], vs = v.shape[bf ? 1 : 0];
-  if (kb != vb || ks != vs) {
+  LayerPlan plan;
+  plan.layer = &layer;
+  plan.args = &args;
+  plan.kv_batch = k.shape[bf ? 0 : 1];
+  plan.kv_len = k.shape[bf ? 1 : 0];
+  if (v.shape[bf ? 0 : 1] != plan.kv_batch || v.shape[bf ? 1 : 0] != plan.kv_len) {
     return absl::InvalidArgumentError(absl::StrCat("value: shape ", ShapeString(v.shape),
                                                    " does not match key's batch and length ",
                                                    ShapeString(k.shape)));
   }
+  plan.q_rows = q.shape[0] * q.shape[1];
+  plan.kv_rows = k.shape[0] * k.shape[1];
+  auto floats = [](const TensorView& view, std::vector<float>& copy) {
+    if (view.dtype == DType::kFloat32) return static_cast<const float*>(view.data);
+    copy = LoadFloats(view);
+    return static_cast<const float*>(copy.data());
+  };
+  plan.q = floats(q, plan.q_copy);
+  plan.k = args.key.present() ? floats(k, plan.k_copy) : plan.q;
+  plan.v = args.value.present() ? floats(v, plan.v_copy) : plan.k;
+  return plan;
+}
 
-  const bool packed = Find("in_proj_weight") != nullptr;
-  const float* in_w = packed ? Find("in_proj_weight")->data.data() : nullptr;
-  const float* wq = packed ? in_w : Find("q_proj_weight")->data.data();
-  const float* wk = packed ? in_w + e * e : Find("k_proj_weight")->data.data();
-  const float* wv = packed ? in_w + 2 * e * e : Find("v_proj_weight")->data.data();
-  const Tensor* in_b = Find("in_proj_bias");
+std::vector<LinearJob> InputProjections(LayerPlan& plan) {
+  const MultiheadAttention& layer = *plan.layer;
+  const MultiheadConfig& c = layer.config();
+  const int64_t e = c.embed_dim;
+  const int64_t kdim = c.kdim ? c.kdim : e, vdim = c.vdim ? c.vdim : e;
+  const Tensor* packed = layer.Find("in_proj_weight");
+  const float* wq = packed ? packed->data.data() : layer.Find("q_proj_weight")->data.data();
+  const float* wk = packed ? wq + e * e : layer.Find("k_proj_weight")->data.data();
+  const float* wv = packed ? wq + 2 * e * e : layer.Find("v_proj_weight")->data.data();
+  const Tensor* in_b = layer.Find("in_proj_bias");
   const float* bq = in_b ? in_b->data.data() : nullptr;
-  const float* bk = in_b ? bq + e : nullptr;
-  const float* bv = in_b ? bq + 2 * e : nullptr;
+  plan.pq.resize(static_cast<size_t>(plan.q_rows * e));
+  plan.pk.resize(static_cast<size_t>(plan.kv_rows * e));
+  plan.pv.resize(static_cast<size_t>(plan.kv_rows * e));
+  return {{plan.q, plan.q_rows, e, wq, bq, e, plan.pq.data()},
+          {plan.k, plan.kv_rows, kdim, wk, in_b ? bq + e : nullptr, e, plan.pk.data()},
+          {plan.v, plan.kv_rows, vdim, wv, in_b ? bq + 2 * e : nullptr, e, plan.pv.data()}};
+}
 
-  FloatBuffer pq = Linear(internal::LoadFloats(q), e, wq, bq, e);
-  FloatBuffer pk = Linear(internal::LoadFloats(k), kdim, wk, bk, e);
-  FloatBuffer pv = Linear(internal::LoadFloats(v), vdim, wv, bv, e);
-
+void BuildInner(LayerPlan& plan) {
+  const MultiheadAttention& layer = *plan.layer;
+  const MultiheadConfig& c = layer.config();
+  const AttentionArgs& args = *plan.args;
+  const int64_t e = c.embed_dim;
   std::vector<const float*> extra_k, extra_v;
-  const std::vector<float> zeros(e, 0.0f);
+  const std::vector<float> zero_row(static_cast<size_t>(e), 0.0f);
   if (c.add_bias_kv) {
-    extra_k.push_back(Find("bias_k")->data.data());
-    extra_v.push_back(Find("bias_v")->data.data());
+    extra_k.push_back(layer.Find("bias_k")->data.data());
+    extra_v.push_back(layer.Find("bias_v")->data.data());
   }
   if (c.add_zero_attn) {
-    extra_k.push_back(zeros.data());
-    extra_v.push_back(zeros.data());
+    extra_k.push_back(zero_row.data());
+    extra_v.push_back(zero_row.data());
   }
   const int64_t tail = static_cast<int64_t>(extra_k.size());
   if (tail > 0) {
-    pk = AppendPositions(pk, args.layout, kb, ks, e, extra_k);
-    pv = AppendPositions(pv, args.layout, kb, ks, e, extra_v);
+    plan.pk = AppendPositions(plan.pk, args.layout, plan.kv_batch, plan.kv_len, e, extra_k);
+    plan.pv = AppendPositions(plan.pv, args.layout, plan.kv_batch, plan.kv_len, e, extra_v);
   }
+  const bool bf = args.layout == Layout::kBatchFirst;
   const std::vector<int64_t> kv_shape =
-      bf ? std::vector<int64_t>{kb, ks + tail, e} : std::vector<int64_t>{ks + tail, kb, e};
-
-  AttentionArgs inner = args;
-  inner.query = ViewOf(pq, {q.shape[0], q.shape[1], e});
-  inner.key = ViewOf(pk, kv_shape);
-  inner.value = ViewOf(pv, kv_shape);
-  inner.num_heads = c.num_heads;
-  inner.score = c.score;
-  inner.mask.unmasked_tail = tail;
-  ATTN_ASSIGN_OR_RETURN(AttentionResult result, engine.Attend(inner));
-
-  const Tensor* out_b = Find("out_proj.bias");
-  result.output.data = Linear(result.output.data, e, Find("out_proj.weight")->data.data(),
-                              out_b ? out_b->data.data() : nullptr, e);
-  return result;
+      bf ? std::vector<int64_t>{plan.kv_batch, plan.kv_len + tail, e}
+         : std::vector<int64_t>{plan.kv_len + tail, plan.kv_batch, e};
+  plan.inner = args;
+  plan.inner.query = ViewOf(plan.pq, {args.query.shape[0], args.query.shape[1], e});
+  plan.inner.key = ViewOf(plan.pk, kv_shape);
+  plan.inner.value = ViewOf(plan.pv, kv_shape);
+  plan.inner.num_heads = c.num_heads;
+  plan.inner.score = c.score;
+  plan.inner.mask.unmasked_tail = tail;
 }
 
+LinearJob OutputProjection(const LayerPlan& plan, const FloatBuffer& attention_out,
+                           FloatBuffer& out) {
+  const MultiheadAttention& layer = *plan.layer;
+  const int64_t e = layer.config().embed_dim;
+  const Tensor* out_b = layer.Find("out_proj.bias");
+  out.resize(attention_out.size());
+  return {attention_out.data(), static_cast<int64_t>(attention_out.size()) / e, e,
+          layer.Find("out_proj.weight")->data.data(), out_b ? out_b->data.data() : nullptr, e,
+          out.data()};
+}
+
+}  // namespace internal
 }  // namespace attention

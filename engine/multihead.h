@@ -14,6 +14,14 @@
 
 namespace attention {
 
+namespace internal {
+struct LayerPlan;
+std::vector<struct LinearJob> InputProjections(LayerPlan& plan);
+void BuildInner(LayerPlan& plan);
+struct LinearJob OutputProjection(const LayerPlan& plan, const FloatBuffer& attention_out,
+                                  FloatBuffer& out);
+}  // namespace internal
+
 // The constructor arguments of torch.nn.MultiheadAttention, plus the score the
 // layer uses between its projections (torch's is scaled_dot).
 struct MultiheadConfig {
@@ -54,11 +62,17 @@ class MultiheadAttention {
   // have S + 1 columns per appended key (add_bias_kv, add_zero_attn).
   // args.num_heads and args.score must be left at their defaults:
   // INVALID_ARGUMENT otherwise, and for inputs that do not fit the layer.
+  // The same as Engine::AttendBatch with this one call.
   absl::StatusOr<AttentionResult> Forward(const Engine& engine, const AttentionArgs& args) const;
 
   const MultiheadConfig& config() const { return config_; }
 
  private:
+  friend std::vector<internal::LinearJob> internal::InputProjections(internal::LayerPlan&);
+  friend void internal::BuildInner(internal::LayerPlan&);
+  friend internal::LinearJob internal::OutputProjection(const internal::LayerPlan&,
+                                                        const FloatBuffer&, FloatBuffer&);
+
   MultiheadAttention(const MultiheadConfig& config, StateDict weights)
       : config_(config), weights_(std::move(weights)) {}
   const Tensor* Find(const std::string& key) const;

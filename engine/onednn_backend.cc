@@ -49,15 +49,16 @@ struct MatmulKey {
   int64_t m, n, k, lda, ldb, ldc;
   bool b_transposed, bf16, accumulate;
   bool scaled = false;  // C = scale * A B, scale given at run time
+  bool bias = false;    // C = A B + bias[n]
   auto Tie() const {
-    return std::tie(m, n, k, lda, ldb, ldc, b_transposed, bf16, accumulate, scaled);
+    return std::tie(m, n, k, lda, ldb, ldc, b_transposed, bf16, accumulate, scaled, bias);
   }
   bool operator<(const MatmulKey& o) const { return Tie() < o.Tie(); }
 };
 
 struct Matmul {
   dnnl::matmul primitive;
-  dnnl::memory::desc a, b, c;
+  dnnl::memory::desc a, b, c, bias;
   size_t scratchpad_bytes = 0;
 };
 
@@ -86,7 +87,10 @@ class MatmulCache {
       ops.append_sum(1.0f);
       attr.set_post_ops(ops);
     }
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(mm.a, mm.b, mm.c), attr, engine_);
+    if (key.bias) mm.bias = dnnl::memory::desc({1, key.n}, dt::f32, dnnl::memory::dims{key.n, 1});
+    dnnl::matmul::primitive_desc pd(
+        key.bias ? dnnl::matmul::desc(mm.a, mm.b, mm.bias, mm.c) : dnnl::matmul::desc(mm.a, mm.b, mm.c),
+        attr, engine_);
     mm.scratchpad_bytes = pd.scratchpad_desc().get_size();
     mm.primitive = dnnl::matmul(pd);
     return cache_.emplace(key, std::move(mm)).first->second;
@@ -113,7 +117,7 @@ struct ThreadContext {
   // Runs one cached matmul; its memory objects are made once per thread
   // and only re-pointed afterwards.
   void RunMatmul(MatmulCache& cache, const MatmulKey& key, const void* a, const void* b, float* c,
-                 float scale = 1.0f) {
+                 float scale = 1.0f, const float* bias = nullptr) {
     const Matmul& mm = cache.Get(key);
     auto [it, added] = bound.try_emplace(&mm);
     Bound& bd = it->second;
@@ -129,7 +133,9 @@ struct ThreadContext {
         bd.args[DNNL_ARG_ATTR_OUTPUT_SCALES] = dnnl::memory(
             {{1}, dnnl::memory::data_type::f32, dnnl::memory::dims{1}}, engine, &bd.scale);
       }
+      if (key.bias) bd.args[DNNL_ARG_BIAS] = dnnl::memory(mm.bias, engine, nullptr);
     }
+    if (key.bias) bd.args[DNNL_ARG_BIAS].set_data_handle(const_cast<float*>(bias));
     if (scratchpad.size() < mm.scratchpad_bytes) scratchpad.resize(mm.scratchpad_bytes);
     bd.args[DNNL_ARG_SRC].set_data_handle(const_cast<void*>(a));
     bd.args[DNNL_ARG_WEIGHTS].set_data_handle(const_cast<void*>(b));
@@ -663,10 +669,104 @@ class OneDnnBackend final : public ComputeBackend {
     cpu_bf16_ = isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
   }
 
-  absl::StatusOr<AttentionResult> Run(const AttentionArgs& args,
-                                      const AttentionShape& shape) override {
+  std::vector<absl::StatusOr<AttentionResult>> RunBatch(
+      absl::Span<const BackendCall> calls) override {
+    omp_set_num_threads(threads_);
+    const size_t n = calls.size();
+    std::vector<absl::StatusOr<AttentionResult>> results(n);
+    std::deque<Storage> storages(n);
+    std::vector<Problem> problems(n);
+    std::vector<WorkSplit> layouts(n);
+    struct Item {
+      size_t call;
+      int64_t index;
+    };
+    std::vector<Item> items;
+    for (size_t c = 0; c < n; ++c) {
+      try {
+        results[c] = Setup(*calls[c].args, calls[c].shape, storages[c], problems[c], layouts[c]);
+      } catch (const dnnl::error& e) {
+        results[c] = absl::InternalError(absl::StrCat("oneDNN: ", e.what()));
+      } catch (const std::bad_alloc&) {
+        results[c] = absl::ResourceExhaustedError("engine: out of memory for this request");
+      }
+      if (!results[c].ok()) continue;
+      for (int64_t i = 0; i < layouts[c].items; ++i) items.push_back({c, i});
+    }
+    const int64_t total = static_cast<int64_t>(items.size());
+#pragma omp parallel
+    {
+      ThreadContext t(engine_);
+      std::vector<float> head_weights;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t k = 0; k < total; ++k) {
+        const Item& item = items[k];
+        absl::Status status = Guarded([&] {
+          RunItem(problems[item.call], layouts[item.call], item.index, t, head_weights,
+                  *results[item.call]);
+        });
+        if (!status.ok()) {
+#pragma omp critical
+          if (results[item.call].ok()) results[item.call] = status;
+        }
+      }
+    }
+    return results;
+  }
+
+  absl::Status LinearBatch(absl::Span<const LinearJob> jobs) override {
+    omp_set_num_threads(threads_);
+    struct Item {
+      const LinearJob* job;
+      int64_t row0;
+    };
+    std::vector<Item> items;
+    for (const LinearJob& j : jobs) {
+      for (int64_t r = 0; r < j.rows; r += kLinearRows) items.push_back({&j, r});
+    }
+    const int64_t total = static_cast<int64_t>(items.size());
+    absl::Status first_error;
+#pragma omp parallel
+    {
+      ThreadContext t(engine_);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t k = 0; k < total; ++k) {
+        const LinearJob& j = *items[k].job;
+        const int64_t r0 = items[k].row0, m = std::min(kLinearRows, j.rows - r0);
+        absl::Status status = Guarded([&] {
+          MatmulKey key{m, j.out, j.in, j.in, j.in, j.out, true, false, false};
+          key.bias = j.bias != nullptr;
+          t.RunMatmul(cache_, key, j.x + r0 * j.in, j.w, j.y + r0 * j.out, 1.0f, j.bias);
+        });
+        if (!status.ok()) {
+#pragma omp critical
+          if (first_error.ok()) first_error = status;
+        }
+      }
+    }
+    return first_error;
+  }
+
+  std::string name() const override { return "onednn"; }
+  std::string isa() const override { return isa_; }
+
+ private:
+  // Rows per projection matmul: fixed, so a call's rows are split the same
+  // way whether or not it is batched.
+  static constexpr int64_t kLinearRows = 256;
+
+  // How a call splits into work items.
+  struct WorkSplit {
+    int64_t blocks = 0;          // query blocks per (b, h)
+    bool per_head_items = true;  // false: averaged weights, one item per (b, block)
+    int64_t items = 0;
+  };
+
+  template <typename F>
+  static absl::Status Guarded(F&& f) {
     try {
-      return RunBlocks(args, shape);
+      f();
+      return absl::OkStatus();
     } catch (const dnnl::error& e) {
       return absl::InternalError(absl::StrCat("oneDNN: ", e.what()));
     } catch (const std::bad_alloc&) {
@@ -674,20 +774,16 @@ class OneDnnBackend final : public ComputeBackend {
     }
   }
 
-  std::string name() const override { return "onednn"; }
-  std::string isa() const override { return isa_; }
-
- private:
-  absl::StatusOr<AttentionResult> RunBlocks(const AttentionArgs& a, const AttentionShape& s) {
-    omp_set_num_threads(threads_);
-    Storage storage;
-    Problem p = Prepare(a, s, cpu_bf16_, storage);
+  // Prepares one call and allocates its outputs (left uninitialised: its work
+  // items write every element).
+  absl::StatusOr<AttentionResult> Setup(const AttentionArgs& a, const AttentionShape& s,
+                                        Storage& storage, Problem& p, WorkSplit& layout) {
+    p = Prepare(a, s, cpu_bf16_, storage);
     const int64_t B = s.batch, H = s.heads, L = s.query_len, S = s.key_len, Dv = s.value_dim;
-
     AttentionResult result;
     if (s.rank4) {
       result.output.shape = {B, H, L, Dv};
-    } else if (a.layout == Layout::kBatchFirst) {
+    } else if (a.layout == attention::Layout::kBatchFirst) {
       result.output.shape = {B, L, H * Dv};
     } else {
       result.output.shape = {L, B, H * Dv};
@@ -695,57 +791,41 @@ class OneDnnBackend final : public ComputeBackend {
     TensorView out_view;
     out_view.shape = result.output.shape;
     p.out_ix = MakeHeadIndexer(out_view, a.layout, s.rank4, H, Dv);
-    // Left uninitialised: work items write every element of their own rows.
     result.output.data.resize(static_cast<size_t>(B * H * L * Dv));
     if (a.need_weights) {
       result.weights.shape = a.average_weights ? std::vector<int64_t>{B, L, S}
                                                : std::vector<int64_t>{B, H, L, S};
       result.weights.data.resize(static_cast<size_t>(B * (a.average_weights ? 1 : H) * L * S));
     }
-
-    const int64_t blocks = (L + kQueryBlock - 1) / kQueryBlock;
-    // Averaged weights: one work item owns (b, query block) over every head.
-    const bool per_head_items = !(a.need_weights && a.average_weights);
-    const int64_t items = B * blocks * (per_head_items ? H : 1);
-    std::optional<absl::Status> error;
-#pragma omp parallel
-    {
-      ThreadContext t(engine_);
-      std::vector<float> head_weights;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t item = 0; item < items; ++item) {
-        try {
-          const int64_t qb = item % blocks;
-          const int64_t rest = item / blocks;
-          const int64_t i0 = qb * kQueryBlock, m = std::min(kQueryBlock, L - i0);
-          if (!a.need_weights) {
-            FusedBlock(p, cache_, t, result, rest / H, rest % H, i0, m);
-          } else if (per_head_items) {
-            const int64_t b = rest / H, h = rest % H;
-            float* w = result.weights.data.data() + ((b * H + h) * L + i0) * S;
-            WeightsBlock(p, cache_, t, result, b, h, i0, m, w);
-          } else {
-            const int64_t b = rest;
-            head_weights.resize(static_cast<size_t>(m * S));
-            float* avg = result.weights.data.data() + (b * L + i0) * S;
-            std::fill(avg, avg + m * S, 0.0f);
-            for (int64_t h = 0; h < H; ++h) {
-              WeightsBlock(p, cache_, t, result, b, h, i0, m, head_weights.data());
-              for (int64_t e = 0; e < m * S; ++e) avg[e] += head_weights[e] / H;
-            }
-          }
-        } catch (const dnnl::error& e) {
-#pragma omp critical
-          if (!error) error = absl::InternalError(absl::StrCat("oneDNN: ", e.what()));
-        } catch (const std::bad_alloc&) {
-#pragma omp critical
-          if (!error) error = absl::ResourceExhaustedError("engine: out of memory for this request");
-        }
-      }
-      t.stream.wait();
-    }
-    if (error) return *error;
+    layout.blocks = (L + kQueryBlock - 1) / kQueryBlock;
+    layout.per_head_items = !(a.need_weights && a.average_weights);
+    layout.items = B * layout.blocks * (layout.per_head_items ? H : 1);
     return result;
+  }
+
+  void RunItem(const Problem& p, const WorkSplit& layout, int64_t item, ThreadContext& t,
+               std::vector<float>& head_weights, AttentionResult& result) {
+    const AttentionArgs& a = *p.args;
+    const int64_t H = p.s.heads, L = p.s.query_len, S = p.s.key_len;
+    const int64_t qb = item % layout.blocks;
+    const int64_t rest = item / layout.blocks;
+    const int64_t i0 = qb * kQueryBlock, m = std::min(kQueryBlock, L - i0);
+    if (!a.need_weights) {
+      FusedBlock(p, cache_, t, result, rest / H, rest % H, i0, m);
+    } else if (layout.per_head_items) {
+      const int64_t b = rest / H, h = rest % H;
+      float* w = result.weights.data.data() + ((b * H + h) * L + i0) * S;
+      WeightsBlock(p, cache_, t, result, b, h, i0, m, w);
+    } else {
+      const int64_t b = rest;
+      head_weights.resize(static_cast<size_t>(m * S));
+      float* avg = result.weights.data.data() + (b * L + i0) * S;
+      std::fill(avg, avg + m * S, 0.0f);
+      for (int64_t h = 0; h < H; ++h) {
+        WeightsBlock(p, cache_, t, result, b, h, i0, m, head_weights.data());
+        for (int64_t e = 0; e < m * S; ++e) avg[e] += head_weights[e] / H;
+      }
+    }
   }
 
   int threads_;

@@ -291,9 +291,26 @@ namespace {
 
 class ReferenceBackend final : public ComputeBackend {
  public:
-  absl::StatusOr<AttentionResult> Run(const AttentionArgs& args,
-                                      const AttentionShape& shape) override {
-    return ReferenceAttend(args, shape);
+  std::vector<absl::StatusOr<AttentionResult>> RunBatch(
+      absl::Span<const BackendCall> calls) override {
+    std::vector<absl::StatusOr<AttentionResult>> results;
+    for (const BackendCall& c : calls) results.push_back(ReferenceAttend(*c.args, c.shape));
+    return results;
+  }
+
+  absl::Status LinearBatch(absl::Span<const LinearJob> jobs) override {
+    for (const LinearJob& j : jobs) {
+      for (int64_t r = 0; r < j.rows; ++r) {
+        const float* x = j.x + r * j.in;
+        for (int64_t o = 0; o < j.out; ++o) {
+          const float* w = j.w + o * j.in;
+          double acc = j.bias ? j.bias[o] : 0.0;
+          for (int64_t i = 0; i < j.in; ++i) acc += double{x[i]} * w[i];
+          j.y[r * j.out + o] = static_cast<float>(acc);
+        }
+      }
+    }
+    return absl::OkStatus();
   }
   std::string name() const override { return "reference"; }
   std::string isa() const override { return "generic"; }

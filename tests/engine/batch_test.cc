@@ -1,0 +1,115 @@
+// Engine::AttendBatch (dynamic batching's engine call) must give every call
+// exactly what it gets alone.
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/multihead.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/golden_case.h"
+#include "tests/status_matchers.h"
+
+namespace attention {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::StatusIs;
+
+struct Input {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+  TensorView view() const {
+    return TensorView{DType::kFloat32, shape, values.data(), values.size() * sizeof(float)};
+  }
+};
+
+Input Random(std::vector<int64_t> shape, uint32_t seed) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  Input in{std::move(shape), std::vector<float>(static_cast<size_t>(n))};
+  for (float& x : in.values) x = dist(rng);
+  return in;
+}
+
+class BatchTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    EngineOptions options;
+    options.backend = GetParam();
+    engine_ = std::move(Engine::Create(options)).value();
+    const testing::GoldenCase c = testing::LoadGoldenCase("mha_bias_kv_zero_attn");
+    layer_ = std::move(MultiheadAttention::Create(testing::MultiheadConfigOf(c),
+                                                  testing::StateDictOf(c)))
+                 .value();
+  }
+
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<MultiheadAttention> layer_;  // embed_dim 8, 2 heads, bias_kv, zero_attn
+};
+
+TEST_P(BatchTest, EveryCallGetsExactlyItsOwnResult) {
+  // Raw calls of different shapes and paths, and layer calls of different lengths.
+  const Input q1 = Random({2, 70, 16}, 1), q2 = Random({1, 4, 5, 8}, 2), k2 = Random({1, 2, 9, 8}, 3);
+  const Input x1 = Random({3, 16, 8}, 4), x2 = Random({1, 5, 8}, 5), x3 = Random({2, 300, 8}, 6);
+  std::vector<AttentionArgs> args(5);
+  args[0].query = q1.view();
+  args[0].num_heads = 4;
+  args[0].mask.causal = Causal::kTopLeft;
+  args[1].query = q2.view();
+  args[1].key = k2.view();
+  args[1].need_weights = true;
+  args[2].query = x1.view();
+  args[2].need_weights = true;
+  args[2].average_weights = true;
+  args[3].query = x2.view();
+  args[4].query = x3.view();
+  const std::vector<EngineCall> calls = {{&args[0], nullptr},
+                                         {&args[1], nullptr},
+                                         {&args[2], layer_.get()},
+                                         {&args[3], layer_.get()},
+                                         {&args[4], layer_.get()}};
+  const std::vector<absl::StatusOr<AttentionResult>> batched = engine_->AttendBatch(calls);
+  ASSERT_EQ(batched.size(), calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    SCOPED_TRACE("call " + std::to_string(i));
+    absl::StatusOr<AttentionResult> alone = calls[i].layer ? calls[i].layer->Forward(*engine_, args[i])
+                                                           : engine_->Attend(args[i]);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    ASSERT_TRUE(batched[i].ok()) << batched[i].status();
+    EXPECT_EQ(batched[i]->output.shape, alone->output.shape);
+    EXPECT_EQ(batched[i]->output.data, alone->output.data);  // bit for bit
+    EXPECT_EQ(batched[i]->weights.shape, alone->weights.shape);
+    EXPECT_EQ(batched[i]->weights.data, alone->weights.data);
+  }
+}
+
+TEST_P(BatchTest, ABadCallFailsAloneAndTheOthersStillRun) {
+  const Input good = Random({1, 5, 8}, 7), bad = Random({1, 5, 7}, 8);
+  AttentionArgs a, b, c;
+  a.query = good.view();
+  b.query = bad.view();  // last dim 7 does not match embed_dim 8
+  c.query = good.view();
+  c.num_heads = 3;  // does not divide 8
+  const std::vector<EngineCall> calls = {{&a, layer_.get()}, {&b, layer_.get()}, {&c, nullptr}};
+  const std::vector<absl::StatusOr<AttentionResult>> results = engine_->AttendBatch(calls);
+  EXPECT_TRUE(results[0].ok()) << results[0].status();
+  EXPECT_THAT(results[1], StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("query: last dim 7")));
+  EXPECT_THAT(results[2], StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_heads: 3")));
+}
+
+TEST_P(BatchTest, AnEmptyBatchIsFine) { EXPECT_TRUE(engine_->AttendBatch({}).empty()); }
+
+INSTANTIATE_TEST_SUITE_P(Backends, BatchTest,
+                         ::testing::Values(Backend::kOneDnn, Backend::kReference),
+                         [](const auto& info) {
+                           return info.param == Backend::kOneDnn ? "OneDnn" : "Reference";
+                         });
+
+}  // namespace
+}  // namespace attention
