@@ -26,8 +26,8 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const abs
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepository* models,
-                                           int64_t max_message_bytes)
-    : engine_(engine), models_(models), max_message_bytes_(max_message_bytes) {}
+                                           Scheduler* scheduler, const ServiceOptions& options)
+    : engine_(engine), models_(models), scheduler_(scheduler), options_(options) {}
 
 absl::StatusOr<const Model*> AttentionServiceImpl::FindModel(absl::string_view name) const {
   const Model* model = models_->Find(name);
@@ -38,46 +38,62 @@ absl::StatusOr<const Model*> AttentionServiceImpl::FindModel(absl::string_view n
   return model;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
-                                                       const v1::AttendRequest* request,
-                                                       v1::AttendResponse* response) {
-  return Finish(context, DoAttend(*context, *request, response));
-}
-
-absl::Status AttentionServiceImpl::DoAttend(const grpc::CallbackServerContext& context,
-                                            const v1::AttendRequest& request,
-                                            v1::AttendResponse* response) const {
+absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerContext& context,
+                                                  const v1::AttendRequest& request) const {
   if (context.deadline() <= std::chrono::system_clock::now()) {
     return absl::DeadlineExceededError("deadline passed before compute started");
   }
   if (context.IsCancelled()) {
     return absl::CancelledError("call cancelled before compute started");
   }
-  const Model* model = nullptr;
+  Job job;
   if (!request.model().empty()) {
-    ATTN_ASSIGN_OR_RETURN(model, FindModel(request.model()));
+    ATTN_ASSIGN_OR_RETURN(job.model, FindModel(request.model()));
   }
-  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<EngineRequest> converted, ToEngineRequest(request));
-  if (model && model->config.precision() == v1::AttendRequest::FAST) converted->args.fast = true;
-
-  const absl::Time start = absl::Now();
-  ATTN_ASSIGN_OR_RETURN(AttentionResult result,
-                        model ? model->layer->Forward(*engine_, converted->args)
-                              : engine_->Attend(converted->args));
-  const absl::Duration compute = absl::Now() - start;
-
-  response->set_id(request.id());
-  ATTN_RETURN_IF_ERROR(
-      ToWireTensor(result.output, converted->output_dtype, response->mutable_output()));
-  if (request.need_weights()) {
-    ATTN_RETURN_IF_ERROR(
-        ToWireTensor(result.weights, converted->output_dtype, response->mutable_weights()));
+  ATTN_ASSIGN_OR_RETURN(job.request, ToEngineRequest(request));
+  AttentionArgs& args = job.request->args;
+  job.max_batch_size = options_.max_batch_size;
+  job.max_queue_delay = absl::Microseconds(options_.max_queue_delay_us);
+  if (job.model != nullptr) {
+    const v1::ModelConfig& config = job.model->config;
+    if (config.precision() == v1::AttendRequest::FAST) args.fast = true;
+    if (config.batching().max_batch_size() > 0) {
+      job.max_batch_size = config.batching().max_batch_size();
+    }
+    if (config.batching().has_max_queue_delay_us()) {
+      job.max_queue_delay = absl::Microseconds(config.batching().max_queue_delay_us());
+    }
+    job.batch_key = absl::StrCat("model/", config.name());
+  } else {
+    // Raw calls batch with calls of the same head split.
+    job.batch_key = absl::StrCat("raw/", args.num_heads, "/",
+                                 args.query.shape.empty() ? 0 : args.query.shape.back());
   }
-  // Requests go straight to the engine: nothing waits in a queue yet.
-  response->set_queue_us(0);
-  response->set_compute_us(absl::ToInt64Microseconds(compute));
-  response->set_batch_size(1);
-  return absl::OkStatus();
+  job.deadline = absl::FromChrono(context.deadline());
+  return job;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
+                                                       const v1::AttendRequest* request,
+                                                       v1::AttendResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Job> job = MakeJob(*context, *request);
+  if (!job.ok()) {
+    reactor->Finish(ToGrpcStatus(job.status()));
+    return reactor;
+  }
+  job->cancelled = [context] { return context->IsCancelled(); };
+  const v1::Tensor::DType output_dtype = job->request->output_dtype;
+  job->done = [request, response, reactor, output_dtype](absl::StatusOr<AttentionResult> result,
+                                                         const JobTiming& timing) {
+    absl::Status status = result.status();
+    if (status.ok()) status = FillResponse(*request, *result, output_dtype, timing, response);
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  if (absl::Status queued = scheduler_->Submit(*std::move(job)); !queued.ok()) {
+    reactor->Finish(ToGrpcStatus(queued));
+  }
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
@@ -89,9 +105,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   response->set_engine_isa(engine_->isa());
   response->set_engine_threads(engine_->threads());
   v1::Limits* limits = response->mutable_limits();
-  limits->set_max_message_bytes(max_message_bytes_);
+  limits->set_max_message_bytes(options_.max_message_bytes);
   limits->set_max_tensor_elements(options.max_tensor_elements);
   limits->set_max_score_elements(options.max_score_elements);
+  limits->set_max_queue(options_.max_queue);
   for (int kind = v1::Score::Kind_MIN; kind <= v1::Score::Kind_MAX; ++kind) {
     if (v1::Score::Kind_IsValid(kind)) {
       response->add_supported_scores(static_cast<v1::Score::Kind>(kind));

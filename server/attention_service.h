@@ -7,18 +7,27 @@
 #include "attention/v1/service.grpc.pb.h"
 #include "engine/engine.h"
 #include "server/model_repository.h"
+#include "server/scheduler.h"
 
 namespace attention::server {
 
+struct ServiceOptions {
+  int64_t max_message_bytes = 0;  // reported in GetServerInfo's limits
+  int64_t max_queue = 0;
+  // Batching defaults for raw attention and for models whose config sets none.
+  int32_t max_batch_size = 1;
+  int64_t max_queue_delay_us = 0;
+};
+
 // attention.v1.AttentionService on gRPC's callback API: converts requests
-// (server/convert.h), runs them on the engine and converts the answers.
-// AttendStream is not served yet (UNIMPLEMENTED). Thread-safe.
+// (server/convert.h) and hands them to the scheduler, which batches them
+// onto the engine; gRPC's threads never wait for compute. AttendStream is
+// not served yet (UNIMPLEMENTED). Thread-safe.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  // `engine` and `models` must outlive the service. `max_message_bytes` is
-  // reported in GetServerInfo's limits.
-  AttentionServiceImpl(const Engine* engine, const ModelRepository* models,
-                       int64_t max_message_bytes);
+  // `engine`, `models` and `scheduler` must outlive the service.
+  AttentionServiceImpl(const Engine* engine, const ModelRepository* models, Scheduler* scheduler,
+                       const ServiceOptions& options);
 
   AttentionServiceImpl(const AttentionServiceImpl&) = delete;
   AttentionServiceImpl& operator=(const AttentionServiceImpl&) = delete;
@@ -43,12 +52,14 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
  private:
   absl::StatusOr<const Model*> FindModel(absl::string_view name) const;
-  absl::Status DoAttend(const grpc::CallbackServerContext& context,
-                        const v1::AttendRequest& request, v1::AttendResponse* response) const;
+  // Validates and converts `request` into a job whose `done` is still unset.
+  absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
+                              const v1::AttendRequest& request) const;
 
   const Engine* const engine_;
   const ModelRepository* const models_;
-  const int64_t max_message_bytes_;
+  Scheduler* const scheduler_;
+  const ServiceOptions options_;
 };
 
 }  // namespace attention::server

@@ -203,6 +203,20 @@ absl::Status ToWireTensor(const Tensor& t, v1::Tensor::DType dtype, v1::Tensor* 
   return absl::OkStatus();
 }
 
+absl::Status FillResponse(const v1::AttendRequest& request, const AttentionResult& result,
+                          v1::Tensor::DType output_dtype, const JobTimingFields& timing,
+                          v1::AttendResponse* response) {
+  response->set_id(request.id());
+  ATTN_RETURN_IF_ERROR(ToWireTensor(result.output, output_dtype, response->mutable_output()));
+  if (request.need_weights()) {
+    ATTN_RETURN_IF_ERROR(ToWireTensor(result.weights, output_dtype, response->mutable_weights()));
+  }
+  response->set_queue_us(timing.queue_us);
+  response->set_compute_us(timing.compute_us);
+  response->set_batch_size(timing.batch_size);
+  return absl::OkStatus();
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   std::string message(status.message().substr(0, kMaxStatusMessage));

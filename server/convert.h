@@ -4,6 +4,7 @@
 // The one place where wire messages become engine types and back, and where
 // absl::Status becomes grpc::Status.
 
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <string>
@@ -19,6 +20,13 @@ namespace attention::server {
 
 // An AttendRequest in engine terms. The views in `args` point into the wire
 // request it was made from and into `storage`; both must outlive them.
+// Where a request's time went, as AttendResponse reports it.
+struct JobTimingFields {
+  int64_t queue_us = 0;
+  int64_t compute_us = 0;
+  int32_t batch_size = 0;
+};
+
 struct EngineRequest {
   EngineRequest() = default;
   EngineRequest(const EngineRequest&) = delete;
@@ -41,6 +49,12 @@ absl::StatusOr<std::unique_ptr<EngineRequest>> ToEngineRequest(const v1::AttendR
 // Writes float32 `t` into `out` as `dtype` (FLOAT32, BFLOAT16 or FLOAT16) in
 // `data`. INVALID_ARGUMENT for any other dtype.
 absl::Status ToWireTensor(const Tensor& t, v1::Tensor::DType dtype, v1::Tensor* out);
+
+// Fills `response` for `request` from the engine's result: id, output and,
+// when asked, weights as `output_dtype`, and the timings.
+absl::Status FillResponse(const v1::AttendRequest& request, const AttentionResult& result,
+                          v1::Tensor::DType output_dtype, const JobTimingFields& timing,
+                          v1::AttendResponse* response);
 
 // Same code (absl and gRPC share the numbers) and message, the message clipped
 // to 1 KiB (it still starts with the field it names).

@@ -1,10 +1,12 @@
 #include "server/server.h"
 
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -20,6 +22,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "server/attention_service.h"
+#include "server/scheduler.h"
 
 namespace attention {
 namespace {
@@ -54,10 +57,46 @@ std::string DialHost(absl::string_view listen) {
 
 }  // namespace
 
+// Runs one small call of every kind the server will see (raw with and
+// without weights, each model), so oneDNN's primitives exist before the first
+// caller arrives.
+absl::Status WarmUp(const Engine& engine, const ModelRepository& models) {
+  std::vector<float> values(2 * 8 * 16, 0.5f);
+  AttentionArgs raw;
+  raw.query = TensorView{DType::kFloat32, {2, 8, 16}, values.data(), values.size() * sizeof(float)};
+  raw.num_heads = 2;
+  AttentionArgs raw_weights = raw;
+  raw_weights.need_weights = true;
+  std::vector<AttentionArgs> model_args;
+  std::vector<std::vector<float>> model_inputs;
+  std::vector<EngineCall> calls = {{&raw, nullptr}, {&raw_weights, nullptr}};
+  const std::vector<const Model*> all = models.models();
+  model_args.reserve(all.size());
+  model_inputs.reserve(all.size());
+  for (const Model* m : all) {
+    const int64_t e = m->config.embed_dim();
+    model_inputs.emplace_back(static_cast<size_t>(8 * e), 0.5f);
+    AttentionArgs& a = model_args.emplace_back();
+    a.query = TensorView{DType::kFloat32, {1, 8, e}, model_inputs.back().data(),
+                         model_inputs.back().size() * sizeof(float)};
+    if (m->config.kdim() != e || m->config.vdim() != e) continue;  // needs its own key/value
+    calls.push_back({&a, m->layer.get()});
+  }
+  for (auto& result : engine.AttendBatch(calls)) {
+    // A server whose limits refuse even these small calls has nothing to warm.
+    if (!result.ok() && !absl::IsResourceExhausted(result.status())) {
+      return absl::InternalError(absl::StrCat("warm-up: ", result.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 struct AttentionServer::Impl {
   std::unique_ptr<Engine> engine;
   std::unique_ptr<ModelRepository> models;
+  std::unique_ptr<server::Scheduler> scheduler;
   std::unique_ptr<server::AttentionServiceImpl> service;
+  double drain_seconds = 0;
   std::unique_ptr<grpc::Server> grpc_server;
   int port = 0;
   std::string address;
@@ -79,8 +118,20 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   } else {
     ATTN_ASSIGN_OR_RETURN(impl->models, ModelRepository::Load(options.model_repository));
   }
+  if (options.max_queue < 1 || options.max_batch_size < 1 || options.max_queue_delay_us < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_queue ", options.max_queue, " and max_batch_size ", options.max_batch_size,
+        " must be >= 1, max_queue_delay_us ", options.max_queue_delay_us, " >= 0"));
+  }
+  impl->drain_seconds = options.drain_seconds;
+  impl->scheduler = std::make_unique<server::Scheduler>(impl->engine.get(), options.max_queue);
+  server::ServiceOptions service_options;
+  service_options.max_message_bytes = max_message_bytes;
+  service_options.max_queue = options.max_queue;
+  service_options.max_batch_size = options.max_batch_size;
+  service_options.max_queue_delay_us = options.max_queue_delay_us;
   impl->service = std::make_unique<server::AttentionServiceImpl>(
-      impl->engine.get(), impl->models.get(), max_message_bytes);
+      impl->engine.get(), impl->models.get(), impl->scheduler.get(), service_options);
 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
@@ -95,7 +146,14 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   }
   impl->address = absl::StrCat(DialHost(options.listen), ":", impl->port);
 
+  // NOT_SERVING until the engine has run every kind of call once.
   grpc::HealthCheckServiceInterface* health = impl->grpc_server->GetHealthCheckService();
+  health->SetServingStatus("", false);
+  health->SetServingStatus(v1::AttentionService::service_full_name(), false);
+  if (absl::Status warm = WarmUp(*impl->engine, *impl->models); !warm.ok()) {
+    impl->grpc_server->Shutdown();
+    return warm;
+  }
   health->SetServingStatus("", true);
   health->SetServingStatus(v1::AttentionService::service_full_name(), true);
   return std::unique_ptr<AttentionServer>(new AttentionServer(std::move(impl)));
@@ -116,9 +174,15 @@ void AttentionServer::Shutdown() {
   absl::MutexLock lock(&impl_->mu);
   if (impl_->shut_down) return;
   impl_->shut_down = true;
+  // Health turns NOT_SERVING, new calls are refused, and calls in flight
+  // (queued or computing) get drain_seconds to finish before they are cancelled.
   impl_->grpc_server->GetHealthCheckService()->Shutdown();
-  impl_->grpc_server->Shutdown();
+  impl_->grpc_server->Shutdown(std::chrono::system_clock::now() +
+                               std::chrono::microseconds(
+                                   static_cast<int64_t>(impl_->drain_seconds * 1e6)));
 }
+
+int AttentionServer::metrics_port() const { return -1; }
 
 void AttentionServer::Wait() { impl_->grpc_server->Wait(); }
 

@@ -19,6 +19,29 @@ struct ServerOptions {
   // Folder of model folders (config.pbtxt + weights.safetensors) to serve;
   // empty serves no models.
   std::string model_repository;
+
+  // Admission and dynamic batching (a model's config.pbtxt may override the
+  // batch size and delay).
+  int64_t max_queue = 1024;          // requests waiting for compute; more: RESOURCE_EXHAUSTED
+  int32_t max_batch_size = 32;       // requests per engine call; 1 turns batching off
+  int64_t max_queue_delay_us = 500;  // longest a request waits for others to join its batch
+
+  // TLS: server certificate and key (PEM files); both empty serves plaintext.
+  // With client_ca_file, clients must present a certificate it signed (mTLS).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
+  // A file holding the bearer token callers must send as
+  // "authorization: Bearer <token>"; empty disables auth. Health is exempt.
+  std::string auth_token_file;
+
+  // Prometheus text on http://<metrics_host>:<metrics_port>/metrics; -1 disables,
+  // 0 picks a free port (see AttentionServer::metrics_port()).
+  int metrics_port = -1;
+  std::string metrics_host = "127.0.0.1";
+
+  // SIGTERM / Shutdown(): in-flight calls get this long to finish.
+  double drain_seconds = 30;
   EngineOptions engine;
 };
 
@@ -37,6 +60,8 @@ class AttentionServer {
 
   // The bound port.
   int port() const;
+  // The metrics HTTP port, or -1 when metrics are off.
+  int metrics_port() const;
   // "127.0.0.1:<port>" form of the bound address, for clients.
   std::string address() const;
 

@@ -1,6 +1,9 @@
+#include <iterator>
 #include <memory>
 #include <string>
+#include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "engine/engine.h"
 #include "engine/multihead.h"
 #include "gtest/gtest.h"
@@ -12,22 +15,41 @@ namespace {
 using testing::AllClose;
 using testing::GoldenCase;
 
-class GoldenEngineTest : public ::testing::TestWithParam<std::string> {
+constexpr Backend kBackends[] = {Backend::kReference, Backend::kOneDnn};
+
+// Every golden case of one kind on every backend.
+class GoldenEngineTest : public ::testing::TestWithParam<std::tuple<Backend, std::string>> {
  protected:
   static void SetUpTestSuite() {
-    auto engine = Engine::Create(EngineOptions{});
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    engine_ = std::move(engine).value().release();
+    for (Backend backend : kBackends) {
+      auto engine = Engine::Create(EngineOptions{.backend = backend});
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      engines_[static_cast<int>(backend)] = std::move(engine).value().release();
+    }
   }
-  static void TearDownTestSuite() { delete engine_; }
-  static Engine* engine_;
+  static void TearDownTestSuite() {
+    for (Engine*& engine : engines_) {
+      delete engine;
+      engine = nullptr;
+    }
+  }
+
+  const Engine& engine() const { return *engines_[static_cast<int>(std::get<0>(GetParam()))]; }
+  GoldenCase Case() const { return testing::LoadGoldenCase(std::get<1>(GetParam())); }
+
+  static Engine* engines_[std::size(kBackends)];
 };
 
-Engine* GoldenEngineTest::engine_ = nullptr;
+Engine* GoldenEngineTest::engines_[std::size(kBackends)] = {};
+
+std::string ParamName(const ::testing::TestParamInfo<GoldenEngineTest::ParamType>& info) {
+  const char* backend = std::get<0>(info.param) == Backend::kReference ? "Reference" : "OneDnn";
+  return absl::StrCat(backend, "_", std::get<1>(info.param));
+}
 
 TEST_P(GoldenEngineTest, MatchesPyTorch) {
-  const GoldenCase c = testing::LoadGoldenCase(GetParam());
-  auto result = engine_->Attend(testing::ToEngineArgs(c));
+  const GoldenCase c = Case();
+  auto result = engine().Attend(testing::ToEngineArgs(c));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_TRUE(AllClose(result->output.shape, result->output.data, c.expected_output, c.atol,
                        c.rtol))
@@ -46,12 +68,12 @@ TEST(GoldenEngineSuite, HasEveryAttentionCase) {
 class GoldenMultiheadEngineTest : public GoldenEngineTest {};
 
 TEST_P(GoldenMultiheadEngineTest, MatchesTorchMultiheadAttention) {
-  const GoldenCase c = testing::LoadGoldenCase(GetParam());
+  const GoldenCase c = Case();
   auto layer = MultiheadAttention::Create(testing::MultiheadConfigOf(c), testing::StateDictOf(c));
   ASSERT_TRUE(layer.ok()) << layer.status();
   AttentionArgs args = testing::ToEngineArgs(c);
   if (!c.multihead.at("batch_first").get<bool>()) args.layout = Layout::kSequenceFirst;
-  auto result = (*layer)->Forward(*engine_, args);
+  auto result = (*layer)->Forward(engine(), args);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_TRUE(AllClose(result->output.shape, result->output.data, c.expected_output, c.atol,
                        c.rtol))
@@ -65,13 +87,17 @@ TEST(GoldenEngineSuite, HasEveryMultiheadCase) {
   EXPECT_EQ(testing::GoldenCaseNames("multihead").size(), 5u);
 }
 
-INSTANTIATE_TEST_SUITE_P(MultiheadCases, GoldenMultiheadEngineTest,
-                         ::testing::ValuesIn(testing::GoldenCaseNames("multihead")),
-                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(
+    MultiheadCases, GoldenMultiheadEngineTest,
+    ::testing::Combine(::testing::ValuesIn(kBackends),
+                       ::testing::ValuesIn(testing::GoldenCaseNames("multihead"))),
+    ParamName);
 
-INSTANTIATE_TEST_SUITE_P(AttentionCases, GoldenEngineTest,
-                         ::testing::ValuesIn(testing::GoldenCaseNames("attention")),
-                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(
+    AttentionCases, GoldenEngineTest,
+    ::testing::Combine(::testing::ValuesIn(kBackends),
+                       ::testing::ValuesIn(testing::GoldenCaseNames("attention"))),
+    ParamName);
 
 }  // namespace
 }  // namespace attention

@@ -1,0 +1,126 @@
+#include "server/scheduler.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace attention::server {
+
+Scheduler::Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks)
+    : engine_(engine), max_queue_(max_queue), hooks_(std::move(hooks)) {
+  dispatcher_ = std::thread([this] { Loop(); });
+}
+
+Scheduler::~Scheduler() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  dispatcher_.join();
+}
+
+absl::Status Scheduler::Submit(Job job) {
+  int64_t depth;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("server is shutting down");
+    if (static_cast<int64_t>(queue_.size()) >= max_queue_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "queue full: ", queue_.size(), " requests are waiting for compute (--max_queue ",
+          max_queue_, "); retry with backoff"));
+    }
+    job.enqueued = absl::Now();
+    ++queued_per_key_[job.batch_key];
+    queue_.push_back(std::move(job));
+    depth = static_cast<int64_t>(queue_.size());
+  }
+  if (hooks_.queue_depth) hooks_.queue_depth(depth);
+  return absl::OkStatus();
+}
+
+int64_t Scheduler::queue_depth() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+void Scheduler::Loop() {
+  while (true) {
+    std::deque<Job> batch;
+    int64_t depth;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Scheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+            return s->stopping_ || !s->queue_.empty();
+          },
+          this));
+      if (queue_.empty()) return;  // stopping, and nothing left to run
+      const std::string key = queue_.front().batch_key;
+      const int64_t limit = std::max<int32_t>(1, queue_.front().max_batch_size);
+      const absl::Time dispatch_by = queue_.front().enqueued + queue_.front().max_queue_delay;
+      // Wait for the batch to fill, at most until the oldest job's delay is up.
+      struct Full {
+        Scheduler* s;
+        const std::string* key;
+        int64_t limit;
+      } full{this, &key, limit};
+      mu_.AwaitWithDeadline(
+          absl::Condition(
+              +[](Full* f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                return f->s->stopping_ || f->s->queued_per_key_[*f->key] >= f->limit;
+              },
+              &full),
+          dispatch_by);
+      for (auto it = queue_.begin(); it != queue_.end() && static_cast<int64_t>(batch.size()) < limit;) {
+        if (it->batch_key == key) {
+          batch.push_back(std::move(*it));
+          it = queue_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if ((queued_per_key_[key] -= static_cast<int64_t>(batch.size())) == 0) {
+        queued_per_key_.erase(key);
+      }
+      depth = static_cast<int64_t>(queue_.size());
+    }
+    if (hooks_.queue_depth) hooks_.queue_depth(depth);
+    Run(batch);
+  }
+}
+
+void Scheduler::Run(std::deque<Job>& batch) {
+  const absl::Time start = absl::Now();
+  std::vector<Job*> live;
+  std::vector<EngineCall> calls;
+  for (Job& job : batch) {
+    JobTiming timing;
+    timing.queue_us = absl::ToInt64Microseconds(start - job.enqueued);
+    if (job.cancelled && job.cancelled()) {
+      if (hooks_.not_computed) hooks_.not_computed("cancelled");
+      job.done(absl::CancelledError("the call was cancelled before compute started"), timing);
+    } else if (job.deadline <= start) {
+      if (hooks_.not_computed) hooks_.not_computed("deadline_exceeded");
+      job.done(absl::DeadlineExceededError(absl::StrCat(
+                   "deadline passed after ", timing.queue_us, " us in the queue, before compute")),
+               timing);
+    } else {
+      live.push_back(&job);
+      calls.push_back({&job.request->args, job.model ? job.model->layer.get() : nullptr});
+    }
+  }
+  if (calls.empty()) return;
+  if (hooks_.batch_size) hooks_.batch_size(static_cast<int32_t>(calls.size()));
+  std::vector<absl::StatusOr<AttentionResult>> results = engine_->AttendBatch(calls);
+  JobTiming timing;
+  timing.compute_us = absl::ToInt64Microseconds(absl::Now() - start);
+  timing.batch_size = static_cast<int32_t>(calls.size());
+  for (size_t i = 0; i < live.size(); ++i) {
+    timing.queue_us = absl::ToInt64Microseconds(start - live[i]->enqueued);
+    live[i]->done(std::move(results[i]), timing);
+  }
+}
+
+}  // namespace attention::server

@@ -1,0 +1,87 @@
+#ifndef ATTENTION_SERVER_SCHEDULER_H_
+#define ATTENTION_SERVER_SCHEDULER_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "server/convert.h"
+#include "server/model_repository.h"
+
+namespace attention::server {
+
+using JobTiming = JobTimingFields;
+
+// One admitted request.
+struct Job {
+  std::unique_ptr<EngineRequest> request;
+  const Model* model = nullptr;  // null: raw attention
+  // Jobs with equal keys may share an engine call.
+  std::string batch_key;
+  int32_t max_batch_size = 1;
+  absl::Duration max_queue_delay;
+  absl::Time deadline = absl::InfiniteFuture();
+  // True once the caller is gone; may be empty.
+  std::function<bool()> cancelled;
+  // Called exactly once, on the scheduler's thread: the result, or
+  // CANCELLED / DEADLINE_EXCEEDED when the caller left before compute began.
+  std::function<void(absl::StatusOr<AttentionResult>, const JobTiming&)> done;
+
+  absl::Time enqueued;  // set by Submit
+};
+
+// What the scheduler reports as it goes (for metrics); any may be empty.
+struct SchedulerHooks {
+  std::function<void(int64_t depth)> queue_depth;
+  std::function<void(int32_t size)> batch_size;
+  std::function<void(const char* reason)> not_computed;  // "cancelled", "deadline_exceeded"
+};
+
+// Dynamic batching with admission control: a bounded FIFO of jobs and one
+// dispatcher thread that packs jobs of the same batch key into one
+// Engine::AttendBatch call, up to the job's max_batch_size, waiting at most
+// its max_queue_delay for others to join. Jobs whose caller left or whose
+// deadline passed are answered without compute. Thread-safe.
+class Scheduler {
+ public:
+  // `engine` must outlive the scheduler. Starts the dispatcher thread.
+  Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks = {});
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+  // Runs every job still queued, then stops.
+  ~Scheduler();
+
+  // Queues `job`. RESOURCE_EXHAUSTED (with the numbers) when the queue is
+  // full; `done` is then never called.
+  absl::Status Submit(Job job);
+
+  int64_t queue_depth() const;
+
+ private:
+  void Loop();
+  void Run(std::deque<Job>& batch);
+
+  const Engine* const engine_;
+  const int64_t max_queue_;
+  const SchedulerHooks hooks_;
+
+  mutable absl::Mutex mu_;
+  std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> queued_per_key_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread dispatcher_;
+};
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_SCHEDULER_H_
