@@ -1,6 +1,8 @@
 #include "server/attention_service.h"
 
+#include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <string>
 
@@ -94,6 +96,136 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     reactor->Finish(ToGrpcStatus(queued));
   }
   return reactor;
+}
+
+// One AttendStream call. Reads, job completions and writes arrive on
+// different threads; mu_ orders them. Deletes itself in OnDone.
+class AttentionServiceImpl::StreamReactor final
+    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+ public:
+  StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {
+    absl::MutexLock lock(&mu_);
+    ReadNextLocked();
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (!ok) {  // the caller half-closed, or the call is over
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    std::shared_ptr<v1::AttendRequest> request = std::move(next_);
+    ++in_flight_;
+    absl::StatusOr<Job> job = service_->MakeJob(*context_, *request);
+    if (job.ok()) {
+      const v1::Tensor::DType output_dtype = job->request->output_dtype;
+      job->cancelled = [this] { return cancelled_.load(); };
+      job->done = [this, request, output_dtype](absl::StatusOr<AttentionResult> result,
+                                                const JobTiming& timing) {
+        v1::AttendResponse response;
+        absl::Status status = result.status();
+        if (status.ok()) status = FillResponse(*request, *result, output_dtype, timing, &response);
+        absl::MutexLock lock(&mu_);
+        AnswerLocked(*request, status, std::move(response));
+      };
+      // The job's views point into *request, which the job's `done` keeps alive.
+      absl::Status queued = service_->scheduler_->Submit(*std::move(job));
+      if (!queued.ok()) AnswerLocked(*request, queued, {});
+    } else {
+      AnswerLocked(*request, job.status(), {});
+    }
+    if (in_flight_ < kMaxStreamInFlight) ReadNextLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    writes_.pop_front();
+    --in_flight_;
+    if (!ok) cancelled_ = true;
+    if (cancelled_) DropWritesLocked();
+    WriteNextLocked();
+    if (!reading_ && !reads_done_ && !cancelled_ && in_flight_ < kMaxStreamInFlight) {
+      ReadNextLocked();
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    cancelled_ = true;
+    absl::MutexLock lock(&mu_);
+    if (!writing_) DropWritesLocked();
+    MaybeFinishLocked();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void ReadNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    next_ = std::make_shared<v1::AttendRequest>();
+    reading_ = true;
+    StartRead(next_.get());
+  }
+
+  // Queues the answer to `request`: the response, or its error in `status`.
+  void AnswerLocked(const v1::AttendRequest& request, const absl::Status& status,
+                    v1::AttendResponse response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (cancelled_) {
+      --in_flight_;
+      MaybeFinishLocked();
+      return;
+    }
+    if (!status.ok()) {
+      response.Clear();
+      response.set_id(request.id());
+      const grpc::Status wire = ToGrpcStatus(status);
+      response.mutable_status()->set_code(wire.error_code());
+      response.mutable_status()->set_message(wire.error_message());
+    } else {
+      response.mutable_status()->set_code(0);
+    }
+    writes_.push_back(std::move(response));
+    WriteNextLocked();
+  }
+
+  // The caller is gone: answers not yet written never will be.
+  void DropWritesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    in_flight_ -= static_cast<int>(writes_.size());
+    writes_.clear();
+  }
+
+  void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || writes_.empty() || cancelled_) return;
+    writing_ = true;
+    StartWrite(&writes_.front());
+  }
+
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || in_flight_ > 0 || writing_ || reading_) return;
+    if (!reads_done_ && !cancelled_) return;
+    finished_ = true;
+    Finish(cancelled_ ? grpc::Status::CANCELLED : grpc::Status::OK);
+  }
+
+  AttentionServiceImpl* const service_;
+  grpc::CallbackServerContext* const context_;
+  std::atomic<bool> cancelled_{false};
+  absl::Mutex mu_;
+  std::shared_ptr<v1::AttendRequest> next_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::AttendResponse> writes_ ABSL_GUARDED_BY(mu_);  // front is being written
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // read, not yet written (or dropped)
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionServiceImpl::AttendStream(
+    grpc::CallbackServerContext* context) {
+  return new StreamReactor(this, context);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(

@@ -22,7 +22,7 @@ struct ServiceOptions {
 // attention.v1.AttentionService on gRPC's callback API: converts requests
 // (server/convert.h) and hands them to the scheduler, which batches them
 // onto the engine; gRPC's threads never wait for compute. AttendStream is
-// not served yet (UNIMPLEMENTED). Thread-safe.
+// Thread-safe.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
   // `engine`, `models` and `scheduler` must outlive the service.
@@ -38,6 +38,13 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
                                    v1::AttendResponse* response) override;
+  // Each request becomes a job like Attend's; answers carry the request's id
+  // and come in completion order; a bad request is answered with its status
+  // and the stream goes on. At most kMaxStreamInFlight requests per stream are
+  // unanswered at once: past that the server stops reading, so a caller that
+  // stops reading cannot make it buffer without bound.
+  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::ServerInfo* response) override;
@@ -51,6 +58,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                      v1::GetModelResponse* response) override;
 
  private:
+  class StreamReactor;
+  static constexpr int kMaxStreamInFlight = 32;
+
   absl::StatusOr<const Model*> FindModel(absl::string_view name) const;
   // Validates and converts `request` into a job whose `done` is still unset.
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,

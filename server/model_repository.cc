@@ -76,9 +76,10 @@ absl::StatusOr<Model> BuildModel(v1::ModelConfig config, StateDict weights,
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": precision: unknown value ", config.precision()));
   }
-  if (config.has_batching()) {
-    return absl::UnimplementedError(
-        absl::StrCat(source, ": batching: dynamic batching is not implemented yet"));
+  if (config.batching().max_batch_size() < 0 || config.batching().max_queue_delay_us() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": batching: max_batch_size ", config.batching().max_batch_size(),
+        " and max_queue_delay_us ", config.batching().max_queue_delay_us(), " must be >= 0"));
   }
   MultiheadConfig mc;
   mc.embed_dim = config.embed_dim();

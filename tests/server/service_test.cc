@@ -124,16 +124,6 @@ TEST_F(ServiceTest, GetModelClipsALongNameInTheMessage) {
   EXPECT_LE(response.status().message().size(), 1030u);
 }
 
-TEST_F(ServiceTest, AttendStreamIsNotImplementedYet) {
-  std::unique_ptr<v1::AttentionService::Stub> stub =
-      v1::AttentionService::NewStub(client().channel());
-  grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream =
-      stub->AttendStream(&context);
-  stream->WritesDone();
-  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
-}
-
 // gRPC rounds deadlines up to whole milliseconds, so a deadline that ends
 // before the server looks can only be given as one already in the past.
 TEST_F(ServiceTest, ExpiredDeadlineIsDeadlineExceeded) {
