@@ -1,17 +1,23 @@
 #include "client/attention_client.h"
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <fstream>
 #include <limits>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "engine/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -24,6 +30,43 @@ namespace attention::client {
 namespace {
 
 constexpr int64_t kMaxMessageMb = std::numeric_limits<int>::max() / (int64_t{1} << 20);
+
+// The whole of `path`; INVALID_ARGUMENT naming `option` and the file.
+absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream contents;
+  if (in) contents << in.rdbuf();
+  if (!in || in.bad()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(option, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  return contents.str();
+}
+
+// Plaintext credentials, or TLS ones when any TLS option is set.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const ClientOptions& options) {
+  if (options.tls_ca_file.empty() && options.tls_cert_file.empty() &&
+      options.tls_key_file.empty() && options.tls_server_name_override.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(options.tls_cert_file.empty()
+                                          ? "tls_key_file is set but tls_cert_file is not"
+                                          : "tls_cert_file is set but tls_key_file is not");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_ca_file.empty()) {
+    ATTN_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadOptionFile("tls_ca_file", options.tls_ca_file));
+  }
+  if (!options.tls_cert_file.empty()) {
+    ATTN_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                          ReadOptionFile("tls_cert_file", options.tls_cert_file));
+    ATTN_ASSIGN_OR_RETURN(ssl.pem_private_key,
+                          ReadOptionFile("tls_key_file", options.tls_key_file));
+  }
+  return grpc::SslCredentials(ssl);
+}
 
 absl::Status ToAbslStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -65,8 +108,13 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
   args.SetMaxSendMessageSize(max_bytes);
   args.SetMaxReceiveMessageSize(max_bytes);
   args.SetLoadBalancingPolicyName("round_robin");
+  if (!options.tls_server_name_override.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name_override);
+  }
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                        MakeChannelCredentials(options));
   std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+      grpc::CreateCustomChannel(options.target, credentials, args);
   if (channel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to ", options.target));
   }

@@ -21,6 +21,15 @@ struct ClientOptions {
   int64_t max_message_mb = 256;
   // Sent as "authorization: Bearer <token>" when not empty.
   std::string bearer_token;
+  // TLS, used when any of these four is set (PEM file paths). tls_ca_file:
+  // the CAs that may sign the server's certificate; empty trusts the system's
+  // roots. tls_cert_file and tls_key_file, both or neither: the client's own
+  // certificate, for servers that require one (mTLS).
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // The name the server's certificate must carry, instead of the target's host.
+  std::string tls_server_name_override;
   // Applied to each call unless the call passes its own. Zero, negative or
   // infinite: no deadline.
   absl::Duration timeout = absl::Seconds(30);
@@ -29,8 +38,10 @@ struct ClientOptions {
 // A connection to one attention service target. Thread-safe.
 class AttentionClient {
  public:
-  // INVALID_ARGUMENT for an empty target or a max_message_mb outside
-  // [1, 2047]. Connects lazily: an unreachable target fails the first call.
+  // INVALID_ARGUMENT for an empty target, a max_message_mb outside
+  // [1, 2047], only one of tls_cert_file and tls_key_file, or a TLS file that
+  // cannot be read (naming it). Connects lazily: an unreachable target or a
+  // failed TLS handshake fails the first call with UNAVAILABLE.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(const ClientOptions& options);
 
   AttentionClient(const AttentionClient&) = delete;

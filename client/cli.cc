@@ -43,6 +43,13 @@ flags:
   --target HOST:PORT    server address, any gRPC target (default 127.0.0.1:50051)
   --timeout DURATION    deadline of each call, e.g. 30s, 500ms (default 30s)
   --token TOKEN         send "authorization: Bearer TOKEN"
+  --tls_ca FILE         use TLS, trusting the CA certificates in FILE (PEM)
+                        instead of the system's
+  --tls_cert FILE       with --tls_key: use TLS and present this client
+                        certificate (PEM), for servers that require one
+  --tls_key FILE        the private key of --tls_cert (PEM)
+  --tls_server_name N   use TLS and expect the server's certificate to name N
+                        instead of the target's host
   --max_message_mb N    largest message sent or received (default 256)
   --raw                 call: keep output/weights as base64 `data` instead of
                         converting them to `float_data`
@@ -59,8 +66,9 @@ struct Flag {
 };
 
 constexpr Flag kFlags[] = {
-    {"target", true},  {"timeout", true}, {"token", true}, {"max_message_mb", true},
-    {"service", true}, {"raw", false},    {"help", false},
+    {"target", true},   {"timeout", true}, {"token", true},           {"max_message_mb", true},
+    {"service", true},  {"raw", false},    {"help", false},           {"tls_ca", true},
+    {"tls_cert", true}, {"tls_key", true}, {"tls_server_name", true},
 };
 
 std::optional<Flag> FindFlag(absl::string_view name) {
@@ -90,6 +98,14 @@ absl::Status SetFlag(absl::string_view name, const std::string& value, CliComman
           absl::StrCat("--max_message_mb: \"", value, "\" is not a positive integer"));
     }
     command->client.max_message_mb = mb;
+  } else if (name == "tls_ca") {
+    command->client.tls_ca_file = value;
+  } else if (name == "tls_cert") {
+    command->client.tls_cert_file = value;
+  } else if (name == "tls_key") {
+    command->client.tls_key_file = value;
+  } else if (name == "tls_server_name") {
+    command->client.tls_server_name_override = value;
   } else if (name == "service") {
     command->service = value;
   } else if (name == "raw") {

@@ -8,7 +8,7 @@ packages=(
   cmake ninja-build g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libdnnl-dev libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev
+  nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libssl-dev openssl
 )
 
 installed() {

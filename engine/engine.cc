@@ -155,6 +155,12 @@ absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const 
   return std::move(AttendBatch({&call, 1}).front());
 }
 
+absl::Status Engine::Validate(const EngineCall& call) const {
+  if (call.layer != nullptr) return internal::PlanLayer(*call.layer, *call.args).status();
+  ATTN_ASSIGN_OR_RETURN(AttentionShape shape, ResolveShape(*call.args));
+  return CheckLimits(*call.args, shape, options_);
+}
+
 std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatch(
     absl::Span<const EngineCall> calls) const {
   const size_t n = calls.size();

@@ -52,6 +52,11 @@ class Engine {
   // the field and the numbers), RESOURCE_EXHAUSTED over the options' limits.
   absl::StatusOr<AttentionResult> Attend(const AttentionArgs& args) const;
 
+  // The checks Attend / AttendBatch make before any work, without the work:
+  // the same INVALID_ARGUMENT / RESOURCE_EXHAUSTED errors. Masks of a layer
+  // call are checked once its projections exist, so only by AttendBatch.
+  absl::Status Validate(const EngineCall& call) const;
+
   // Runs several calls as one engine call (dynamic batching): they share each
   // pass over the compute threads, while every call is split into work exactly
   // as when it runs alone, so each result is bit-identical to its own Attend /

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "spdlog/spdlog.h"
 #include "engine/status_macros.h"
 #include "server/convert.h"
 
@@ -19,17 +20,53 @@
 namespace attention::server {
 namespace {
 
-grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
 
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepository* models,
-                                           Scheduler* scheduler, const ServiceOptions& options)
-    : engine_(engine), models_(models), scheduler_(scheduler), options_(options) {}
+                                           Scheduler* scheduler, Metrics* metrics,
+                                           const TokenAuth* auth, const ServiceOptions& options)
+    : engine_(engine),
+      models_(models),
+      scheduler_(scheduler),
+      metrics_(metrics),
+      auth_(auth),
+      options_(options) {}
+
+void AttentionServiceImpl::Record(absl::string_view method, absl::string_view model,
+                                  const grpc::Status& status, absl::Time start,
+                                  const JobTiming* timing) const {
+  const double total = absl::ToDoubleSeconds(absl::Now() - start);
+  metrics_->CountRequest(method, model, status.error_code());
+  metrics_->ObserveSeconds("total", method, total);
+  if (timing != nullptr) {
+    metrics_->ObserveSeconds("queue", method, timing->queue_us * 1e-6);
+    metrics_->ObserveSeconds("compute", method, timing->compute_us * 1e-6);
+  }
+  if (!spdlog::should_log(spdlog::level::debug)) return;
+  spdlog::debug("{} model={} code={} total_us={} queue_us={} compute_us={} batch={}{}{}",
+                std::string(method),
+                model.empty() ? "-" : std::string(model), static_cast<int>(status.error_code()),
+                static_cast<int64_t>(total * 1e6), timing ? timing->queue_us : 0,
+                timing ? timing->compute_us : 0, timing ? timing->batch_size : 0,
+                status.ok() ? "" : " error=", status.error_message());
+}
+
+absl::Status AttentionServiceImpl::Authenticate(const grpc::CallbackServerContext& context) const {
+  return auth_ == nullptr ? absl::OkStatus() : auth_->Check(context);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::FinishUnary(grpc::CallbackServerContext* context,
+                                                            absl::string_view method,
+                                                            absl::string_view model,
+                                                            absl::Time start,
+                                                            const absl::Status& status) const {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const grpc::Status wire = ToGrpcStatus(status);
+  Record(method, model, wire, start, nullptr);
+  reactor->Finish(wire);
+  return reactor;
+}
 
 absl::StatusOr<const Model*> AttentionServiceImpl::FindModel(absl::string_view name) const {
   const Model* model = models_->Find(name);
@@ -54,6 +91,9 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
   }
   ATTN_ASSIGN_OR_RETURN(job.request, ToEngineRequest(request));
   AttentionArgs& args = job.request->args;
+  // Refused before admission: a bad request takes no queue slot.
+  ATTN_RETURN_IF_ERROR(
+      engine_->Validate({&args, job.model ? job.model->layer.get() : nullptr}));
   job.max_batch_size = options_.max_batch_size;
   job.max_queue_delay = absl::Microseconds(options_.max_queue_delay_us);
   if (job.model != nullptr) {
@@ -78,22 +118,26 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
                                                        const v1::AttendRequest* request,
                                                        v1::AttendResponse* response) {
+  const absl::Time start = absl::Now();
+  absl::Status admitted = Authenticate(*context);
+  absl::StatusOr<Job> job = admitted.ok() ? MakeJob(*context, *request) : admitted;
+  if (!job.ok()) return FinishUnary(context, "Attend", request->model(), start, job.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<Job> job = MakeJob(*context, *request);
-  if (!job.ok()) {
-    reactor->Finish(ToGrpcStatus(job.status()));
-    return reactor;
-  }
+  metrics_->AddInFlight(1);
   job->cancelled = [context] { return context->IsCancelled(); };
   const v1::Tensor::DType output_dtype = job->request->output_dtype;
-  job->done = [request, response, reactor, output_dtype](absl::StatusOr<AttentionResult> result,
-                                                         const JobTiming& timing) {
+  job->done = [this, request, response, reactor, output_dtype, start](
+                  absl::StatusOr<AttentionResult> result, const JobTiming& timing) {
     absl::Status status = result.status();
     if (status.ok()) status = FillResponse(*request, *result, output_dtype, timing, response);
-    reactor->Finish(ToGrpcStatus(status));
+    const grpc::Status wire = ToGrpcStatus(status);
+    Record("Attend", request->model(), wire, start, &timing);
+    metrics_->AddInFlight(-1);
+    reactor->Finish(wire);
   };
   if (absl::Status queued = scheduler_->Submit(*std::move(job)); !queued.ok()) {
-    reactor->Finish(ToGrpcStatus(queued));
+    metrics_->AddInFlight(-1);
+    return FinishUnary(context, "Attend", request->model(), start, queued);
   }
   return reactor;
 }
@@ -106,6 +150,11 @@ class AttentionServiceImpl::StreamReactor final
   StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
     absl::MutexLock lock(&mu_);
+    if (absl::Status auth = service_->Authenticate(*context); !auth.ok()) {
+      finished_ = true;
+      Finish(ToGrpcStatus(auth));
+      return;
+    }
     ReadNextLocked();
   }
 
@@ -119,22 +168,29 @@ class AttentionServiceImpl::StreamReactor final
     }
     std::shared_ptr<v1::AttendRequest> request = std::move(next_);
     ++in_flight_;
+    service_->metrics_->AddInFlight(1);
+    const absl::Time start = absl::Now();
     absl::StatusOr<Job> job = service_->MakeJob(*context_, *request);
     if (job.ok()) {
       const v1::Tensor::DType output_dtype = job->request->output_dtype;
       job->cancelled = [this] { return cancelled_.load(); };
-      job->done = [this, request, output_dtype](absl::StatusOr<AttentionResult> result,
-                                                const JobTiming& timing) {
+      job->done = [this, request, output_dtype, start](absl::StatusOr<AttentionResult> result,
+                                                       const JobTiming& timing) {
         v1::AttendResponse response;
         absl::Status status = result.status();
         if (status.ok()) status = FillResponse(*request, *result, output_dtype, timing, &response);
+        service_->Record("AttendStream", request->model(), ToGrpcStatus(status), start, &timing);
         absl::MutexLock lock(&mu_);
         AnswerLocked(*request, status, std::move(response));
       };
       // The job's views point into *request, which the job's `done` keeps alive.
       absl::Status queued = service_->scheduler_->Submit(*std::move(job));
-      if (!queued.ok()) AnswerLocked(*request, queued, {});
+      if (!queued.ok()) {
+        service_->Record("AttendStream", request->model(), ToGrpcStatus(queued), start, nullptr);
+        AnswerLocked(*request, queued, {});
+      }
     } else {
+      service_->Record("AttendStream", request->model(), ToGrpcStatus(job.status()), start, nullptr);
       AnswerLocked(*request, job.status(), {});
     }
     if (in_flight_ < kMaxStreamInFlight) ReadNextLocked();
@@ -173,6 +229,7 @@ class AttentionServiceImpl::StreamReactor final
   // Queues the answer to `request`: the response, or its error in `status`.
   void AnswerLocked(const v1::AttendRequest& request, const absl::Status& status,
                     v1::AttendResponse response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    service_->metrics_->AddInFlight(-1);
     if (cancelled_) {
       --in_flight_;
       MaybeFinishLocked();
@@ -231,6 +288,10 @@ grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
     grpc::CallbackServerContext* context, const v1::GetServerInfoRequest* /*request*/,
     v1::ServerInfo* response) {
+  const absl::Time start = absl::Now();
+  if (absl::Status auth = Authenticate(*context); !auth.ok()) {
+    return FinishUnary(context, "GetServerInfo", "", start, auth);
+  }
   const EngineOptions& options = engine_->options();
   response->set_version(ATTENTION_VERSION);
   response->set_engine_backend(engine_->backend_name());
@@ -251,22 +312,31 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
       response->add_supported_dtypes(static_cast<v1::Tensor::DType>(dtype));
     }
   }
-  return Finish(context, absl::OkStatus());
+  return FinishUnary(context, "GetServerInfo", "", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
                                                            const v1::ListModelsRequest* /*request*/,
                                                            v1::ListModelsResponse* response) {
-  for (const Model* model : models_->models()) *response->add_models() = model->config;
-  return Finish(context, absl::OkStatus());
+  const absl::Time start = absl::Now();
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) {
+    for (const Model* model : models_->models()) *response->add_models() = model->config;
+  }
+  return FinishUnary(context, "ListModels", "", start, status);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
                                                          const v1::GetModelRequest* request,
                                                          v1::GetModelResponse* response) {
-  absl::StatusOr<const Model*> model = FindModel(request->name());
-  if (model.ok()) *response->mutable_config() = (*model)->config;
-  return Finish(context, model.status());
+  const absl::Time start = absl::Now();
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) {
+    absl::StatusOr<const Model*> model = FindModel(request->name());
+    if (model.ok()) *response->mutable_config() = (*model)->config;
+    status = model.status();
+  }
+  return FinishUnary(context, "GetModel", "", start, status);
 }
 
 }  // namespace attention::server

@@ -7,7 +7,9 @@
 #include "attention/v1/service.grpc.pb.h"
 #include "engine/engine.h"
 #include "server/model_repository.h"
+#include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/security.h"
 
 namespace attention::server {
 
@@ -25,9 +27,10 @@ struct ServiceOptions {
 // Thread-safe.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  // `engine`, `models` and `scheduler` must outlive the service.
+  // Every pointer must outlive the service; `auth` may be null (no auth).
+  // Each call is counted in `metrics`; calls failing `auth` get UNAUTHENTICATED.
   AttentionServiceImpl(const Engine* engine, const ModelRepository* models, Scheduler* scheduler,
-                       const ServiceOptions& options);
+                       Metrics* metrics, const TokenAuth* auth, const ServiceOptions& options);
 
   AttentionServiceImpl(const AttentionServiceImpl&) = delete;
   AttentionServiceImpl& operator=(const AttentionServiceImpl&) = delete;
@@ -62,6 +65,15 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   static constexpr int kMaxStreamInFlight = 32;
 
   absl::StatusOr<const Model*> FindModel(absl::string_view name) const;
+  // Records a finished call of `method` in the metrics (and the debug log).
+  void Record(absl::string_view method, absl::string_view model, const grpc::Status& status,
+              absl::Time start, const JobTiming* timing) const;
+  // UNAUTHENTICATED unless the call carries the bearer token (when auth is on).
+  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
+  // Finishes a unary call with `status` and records it.
+  grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
+                                        absl::string_view method, absl::string_view model,
+                                        absl::Time start, const absl::Status& status) const;
   // Validates and converts `request` into a job whose `done` is still unset.
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
                               const v1::AttendRequest& request) const;
@@ -69,6 +81,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   const Engine* const engine_;
   const ModelRepository* const models_;
   Scheduler* const scheduler_;
+  Metrics* const metrics_;
+  const TokenAuth* const auth_;
   const ServiceOptions options_;
 };
 

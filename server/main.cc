@@ -19,7 +19,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/engine.h"
+#include "server/logging.h"
 #include "server/server.h"
+#include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "HOST:PORT to listen on; port 0 picks one");
 ABSL_FLAG(int64_t, max_message_mb, 256, "Largest request or response message, in MiB");
@@ -35,6 +37,29 @@ ABSL_FLAG(std::string, engine, "onednn",
 ABSL_FLAG(int32_t, engine_threads, 0,
           "Threads the engine computes on; 0 means one per core. Calls run one at a time on "
           "them, so concurrent requests never oversubscribe the cores");
+ABSL_FLAG(int64_t, max_queue, attention::ServerOptions().max_queue,
+          "Requests that may wait for compute at once; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, max_batch_size, attention::ServerOptions().max_batch_size,
+          "Requests packed into one engine call (a model's config.pbtxt may override); 1 "
+          "turns dynamic batching off");
+ABSL_FLAG(int64_t, max_queue_delay_us, attention::ServerOptions().max_queue_delay_us,
+          "Longest a request waits for others to join its batch (a model's config.pbtxt may "
+          "override)");
+ABSL_FLAG(double, drain_seconds, attention::ServerOptions().drain_seconds,
+          "On SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
+          "get this long to finish before they are cancelled");
+ABSL_FLAG(std::string, tls_cert, "", "Server certificate (PEM); with --tls_key serves TLS");
+ABSL_FLAG(std::string, tls_key, "", "Server private key (PEM)");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "CA certificate (PEM) that client certificates must chain to: mutual TLS");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the token callers must send as 'authorization: Bearer <token>'; "
+          "health checks are exempt");
+ABSL_FLAG(int32_t, metrics_port, -1,
+          "Serve Prometheus metrics on http://--metrics_host:PORT/metrics; -1 off, 0 picks one");
+ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "Address for the metrics endpoint");
+ABSL_FLAG(std::string, log_level, "info",
+          "trace, debug (one line per request), info, warn, error or off");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port number is written to this file once the server serves");
 
@@ -75,6 +100,12 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  if (absl::Status logging = attention::server::InitLogging(absl::GetFlag(FLAGS_log_level));
+      !logging.ok()) {
+    std::fprintf(stderr, "attention_server: %s\n", logging.ToString().c_str());
+    return 1;
+  }
+
   attention::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
@@ -88,6 +119,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   options.engine.threads = absl::GetFlag(FLAGS_engine_threads);
+  options.max_queue = absl::GetFlag(FLAGS_max_queue);
+  options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.engine.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   options.engine.max_score_elements = absl::GetFlag(FLAGS_max_score_elements);
   absl::StatusOr<std::unique_ptr<attention::AttentionServer>> server =
@@ -103,14 +144,19 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::fprintf(stderr, "attention_server listening on %s\n", (*server)->address().c_str());
+  if ((*server)->metrics_port() >= 0) {
+    spdlog::info("metrics on http://{}:{}/metrics", absl::GetFlag(FLAGS_metrics_host),
+                 (*server)->metrics_port());
+  }
 
   std::thread waiter([&stop_signals, s = server->get()] {
     int signal = 0;
     sigwait(&stop_signals, &signal);
+    spdlog::info("signal {}: shutting down", signal);
     s->Shutdown();
   });
   (*server)->Wait();
   waiter.join();
+  spdlog::info("stopped");
   return 0;
 }

@@ -22,7 +22,10 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "server/attention_service.h"
+#include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/security.h"
+#include "spdlog/spdlog.h"
 
 namespace attention {
 namespace {
@@ -92,6 +95,10 @@ absl::Status WarmUp(const Engine& engine, const ModelRepository& models) {
 }
 
 struct AttentionServer::Impl {
+  // First: outlives everything that records into it.
+  server::Metrics metrics;
+  std::unique_ptr<server::MetricsServer> metrics_server;
+  std::unique_ptr<server::TokenAuth> auth;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<ModelRepository> models;
   std::unique_ptr<server::Scheduler> scheduler;
@@ -112,6 +119,17 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   InitGrpcOnce();
 
   auto impl = std::make_unique<Impl>();
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                        server::MakeServerCredentials(options.tls_cert_file, options.tls_key_file,
+                                                      options.tls_client_ca_file));
+  if (!options.auth_token_file.empty()) {
+    ATTN_ASSIGN_OR_RETURN(impl->auth, server::TokenAuth::FromFile(options.auth_token_file));
+  }
+  if (options.metrics_port >= 0) {
+    ATTN_ASSIGN_OR_RETURN(impl->metrics_server,
+                          server::MetricsServer::Start(options.metrics_host, options.metrics_port,
+                                                       &impl->metrics));
+  }
   ATTN_ASSIGN_OR_RETURN(impl->engine, Engine::Create(options.engine));
   if (options.model_repository.empty()) {
     impl->models = ModelRepository::Empty();
@@ -124,17 +142,24 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
         " must be >= 1, max_queue_delay_us ", options.max_queue_delay_us, " >= 0"));
   }
   impl->drain_seconds = options.drain_seconds;
-  impl->scheduler = std::make_unique<server::Scheduler>(impl->engine.get(), options.max_queue);
+  server::Metrics* metrics = &impl->metrics;
+  server::SchedulerHooks hooks;
+  hooks.queue_depth = [metrics](int64_t depth) { metrics->SetQueueDepth(depth); };
+  hooks.batch_size = [metrics](int32_t size) { metrics->ObserveBatchSize(size); };
+  hooks.not_computed = [metrics](const char* reason) { metrics->CountNotComputed(reason); };
+  impl->scheduler =
+      std::make_unique<server::Scheduler>(impl->engine.get(), options.max_queue, std::move(hooks));
   server::ServiceOptions service_options;
   service_options.max_message_bytes = max_message_bytes;
   service_options.max_queue = options.max_queue;
   service_options.max_batch_size = options.max_batch_size;
   service_options.max_queue_delay_us = options.max_queue_delay_us;
   impl->service = std::make_unique<server::AttentionServiceImpl>(
-      impl->engine.get(), impl->models.get(), impl->scheduler.get(), service_options);
+      impl->engine.get(), impl->models.get(), impl->scheduler.get(), &impl->metrics,
+      impl->auth.get(), service_options);
 
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
+  builder.AddListeningPort(options.listen, credentials, &impl->port);
   builder.SetMaxReceiveMessageSize(max_message_bytes);
   builder.SetMaxSendMessageSize(max_message_bytes);
   // A second server on a taken port must fail, not silently share the traffic.
@@ -156,6 +181,11 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   }
   health->SetServingStatus("", true);
   health->SetServingStatus(v1::AttentionService::service_full_name(), true);
+  spdlog::info("serving on {} (engine {} {} x{}, {} models, tls {}, auth {}, metrics port {})",
+               impl->address, impl->engine->backend_name(), impl->engine->isa(),
+               impl->engine->threads(), impl->models->models().size(),
+               options.tls_cert_file.empty() ? "off" : "on", impl->auth ? "on" : "off",
+               impl->metrics_server ? impl->metrics_server->port() : -1);
   return std::unique_ptr<AttentionServer>(new AttentionServer(std::move(impl)));
 }
 
@@ -176,13 +206,19 @@ void AttentionServer::Shutdown() {
   impl_->shut_down = true;
   // Health turns NOT_SERVING, new calls are refused, and calls in flight
   // (queued or computing) get drain_seconds to finish before they are cancelled.
+  spdlog::info("draining: NOT_SERVING, refusing new calls, {} s for calls in flight",
+               impl_->drain_seconds);
   impl_->grpc_server->GetHealthCheckService()->Shutdown();
   impl_->grpc_server->Shutdown(std::chrono::system_clock::now() +
                                std::chrono::microseconds(
                                    static_cast<int64_t>(impl_->drain_seconds * 1e6)));
 }
 
-int AttentionServer::metrics_port() const { return -1; }
+int AttentionServer::metrics_port() const {
+  return impl_->metrics_server ? impl_->metrics_server->port() : -1;
+}
+
+const server::Metrics& AttentionServer::metrics() const { return impl_->metrics; }
 
 void AttentionServer::Wait() { impl_->grpc_server->Wait(); }
 

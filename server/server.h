@@ -10,6 +10,10 @@
 
 namespace attention {
 
+namespace server {
+class Metrics;
+}
+
 struct ServerOptions {
   // HOST:PORT; port 0 picks a free port (see AttentionServer::port()).
   std::string listen = "127.0.0.1:50051";
@@ -62,6 +66,8 @@ class AttentionServer {
   int port() const;
   // The metrics HTTP port, or -1 when metrics are off.
   int metrics_port() const;
+  // What the server has counted so far (also served on the metrics port).
+  const server::Metrics& metrics() const;
   // "127.0.0.1:<port>" form of the bound address, for clients.
   std::string address() const;
 

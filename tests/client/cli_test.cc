@@ -80,6 +80,24 @@ TEST(ParseCliArgsTest, FlagsBeforeAndAfterTheCommand) {
   EXPECT_EQ(command->client.max_message_mb, 64);
 }
 
+TEST(ParseCliArgsTest, TlsFlags) {
+  absl::StatusOr<CliCommand> command =
+      ParseCliArgs({"health", "--tls_ca", "ca.pem", "--tls_cert=client.pem", "--tls_key",
+                    "client.key", "--tls_server_name", "attention.test"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_EQ(command->client.tls_ca_file, "ca.pem");
+  EXPECT_EQ(command->client.tls_cert_file, "client.pem");
+  EXPECT_EQ(command->client.tls_key_file, "client.key");
+  EXPECT_EQ(command->client.tls_server_name_override, "attention.test");
+}
+
+TEST(RunCliTest, TlsCertificateWithoutKeyIsAnError) {
+  const CliResult result = RunCliOn({"health", "--tls_cert", "client.pem"});
+  EXPECT_EQ(result.code, kCliError);
+  EXPECT_THAT(result.err, IsErrorLine("error: INVALID_ARGUMENT: tls_cert_file is set but "
+                                      "tls_key_file is not"));
+}
+
 TEST(ParseCliArgsTest, HealthService) {
   absl::StatusOr<CliCommand> command = ParseCliArgs({"health", "--service", "attention.v1.X"});
   ASSERT_THAT(command, IsOk());

@@ -1,0 +1,294 @@
+#include "server/metrics.h"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "httplib.h"
+
+namespace attention::server {
+namespace {
+
+constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
+
+// Prometheus float text: shortest round-trip form, "+Inf", "-Inf" or "NaN".
+// `fixed` avoids exponents (for "le" labels, whose text is part of the series).
+std::string FormatValue(double value, bool fixed = false) {
+  if (std::isnan(value)) return "NaN";
+  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
+  char buffer[64];
+  std::to_chars_result result{buffer, std::errc::value_too_large};
+  if (fixed)
+    result = std::to_chars(buffer, buffer + sizeof buffer, value, std::chars_format::fixed);
+  if (result.ec != std::errc()) result = std::to_chars(buffer, buffer + sizeof buffer, value);
+  return std::string(buffer, result.ptr);
+}
+
+// A label value with \, " and newline escaped as the format requires.
+std::string EscapeLabelValue(absl::string_view value) {
+  std::string escaped;
+  escaped.reserve(value.size());
+  for (const char c : value) {
+    switch (c) {
+      case '\\':
+        escaped += "\\\\";
+        break;
+      case '"':
+        escaped += "\\\"";
+        break;
+      case '\n':
+        escaped += "\\n";
+        break;
+      default:
+        escaped += c;
+    }
+  }
+  return escaped;
+}
+
+using Label = std::pair<absl::string_view, absl::string_view>;
+
+// `a="x",b="y"`, without braces.
+std::string RenderLabels(std::initializer_list<Label> labels) {
+  std::string out;
+  for (const auto& [name, value] : labels) {
+    if (!out.empty()) out += ',';
+    absl::StrAppend(&out, name, "=\"", EscapeLabelValue(value), "\"");
+  }
+  return out;
+}
+
+// `name{labels} value` or `name value`.
+void AppendSample(absl::string_view name, absl::string_view labels, absl::string_view value,
+                  std::string* out) {
+  if (labels.empty()) {
+    absl::StrAppend(out, name, " ", value, "\n");
+  } else {
+    absl::StrAppend(out, name, "{", labels, "} ", value, "\n");
+  }
+}
+
+void AppendHeader(absl::string_view name, absl::string_view type, absl::string_view help,
+                  std::string* out) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+}
+
+std::string CodeName(int grpc_code) {
+  constexpr int kLastCode = static_cast<int>(absl::StatusCode::kUnauthenticated);
+  if (grpc_code < 0 || grpc_code > kLastCode) return absl::StrCat(grpc_code);
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(grpc_code));
+}
+
+}  // namespace
+
+const std::vector<double>& Metrics::LatencyBuckets() {
+  static const std::vector<double>* const kBounds =
+      new std::vector<double>{0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                              0.05,    0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30};
+  return *kBounds;
+}
+
+const std::vector<double>& Metrics::BatchSizeBuckets() {
+  static const std::vector<double>* const kBounds =
+      new std::vector<double>{1, 2, 4, 8, 16, 32, 64, 128, 256};
+  return *kBounds;
+}
+
+Metrics::Metrics()
+    : batch_size_(BatchSizeBuckets().size()),
+      not_computed_{{"cancelled", 0}, {"deadline_exceeded", 0}} {}
+
+void Metrics::Observe(const std::vector<double>& bounds, double value, Histogram* histogram) {
+  // The first bucket whose bound is >= value; past the end is +Inf.
+  const size_t bucket = std::lower_bound(bounds.begin(), bounds.end(), value) - bounds.begin();
+  ++histogram->counts[bucket];
+  histogram->sum += value;
+  ++histogram->count;
+}
+
+void Metrics::CountRequest(absl::string_view method, absl::string_view model, int grpc_code) {
+  RequestKey key{std::string(method), std::string(model), grpc_code};
+  absl::MutexLock lock(&mu_);
+  ++requests_[std::move(key)];
+}
+
+void Metrics::ObserveSeconds(absl::string_view stage, absl::string_view method, double seconds) {
+  if (std::isnan(seconds)) return;
+  seconds = std::max(seconds, 0.0);
+  StageKey key{std::string(stage), std::string(method)};
+  absl::MutexLock lock(&mu_);
+  auto it = latency_.find(key);
+  if (it == latency_.end()) {
+    it = latency_.emplace(std::move(key), Histogram(LatencyBuckets().size())).first;
+  }
+  Observe(LatencyBuckets(), seconds, &it->second);
+}
+
+void Metrics::ObserveBatchSize(int size) {
+  absl::MutexLock lock(&mu_);
+  Observe(BatchSizeBuckets(), size, &batch_size_);
+}
+
+void Metrics::SetQueueDepth(int64_t depth) { queue_depth_.store(depth, std::memory_order_relaxed); }
+
+void Metrics::AddInFlight(int delta) { in_flight_.fetch_add(delta, std::memory_order_relaxed); }
+
+void Metrics::CountNotComputed(absl::string_view reason) {
+  std::string key(reason);
+  absl::MutexLock lock(&mu_);
+  ++not_computed_[std::move(key)];
+}
+
+namespace {
+
+// The _bucket (cumulative, then +Inf), _sum and _count lines of one series.
+template <typename Histogram>
+void AppendHistogram(absl::string_view name, absl::string_view labels,
+                     const std::vector<double>& bounds, const Histogram& histogram,
+                     std::string* out) {
+  const std::string bucket_name = absl::StrCat(name, "_bucket");
+  const std::string prefix = labels.empty() ? "" : absl::StrCat(labels, ",");
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    cumulative += histogram.counts[i];
+    AppendSample(
+        bucket_name,
+        absl::StrCat(prefix, RenderLabels({{"le", FormatValue(bounds[i], /*fixed=*/true)}})),
+        absl::StrCat(cumulative), out);
+  }
+  AppendSample(bucket_name, absl::StrCat(prefix, RenderLabels({{"le", "+Inf"}})),
+               absl::StrCat(histogram.count), out);
+  AppendSample(absl::StrCat(name, "_sum"), labels, FormatValue(histogram.sum), out);
+  AppendSample(absl::StrCat(name, "_count"), labels, absl::StrCat(histogram.count), out);
+}
+
+}  // namespace
+
+std::string Metrics::RenderPrometheus() const {
+  std::string out;
+  absl::MutexLock lock(&mu_);
+
+  AppendHeader("attention_requests_total", "counter",
+               "Finished calls by method, model (empty for raw attention) and gRPC status code.",
+               &out);
+  for (const auto& [key, count] : requests_) {
+    const auto& [method, model, code] = key;
+    AppendSample("attention_requests_total",
+                 RenderLabels({{"method", method}, {"model", model}, {"code", CodeName(code)}}),
+                 absl::StrCat(count), &out);
+  }
+
+  AppendHeader("attention_latency_seconds", "histogram",
+               "Seconds per call stage: queue (waiting to be computed), compute (in the engine), "
+               "total (the whole call).",
+               &out);
+  for (const auto& [key, histogram] : latency_) {
+    AppendHistogram("attention_latency_seconds",
+                    RenderLabels({{"stage", key.first}, {"method", key.second}}), LatencyBuckets(),
+                    histogram, &out);
+  }
+
+  AppendHeader("attention_batch_size", "histogram", "Requests computed together per engine call.",
+               &out);
+  AppendHistogram("attention_batch_size", "", BatchSizeBuckets(), batch_size_, &out);
+
+  AppendHeader("attention_queue_depth", "gauge", "Requests waiting for compute.", &out);
+  AppendSample("attention_queue_depth", "",
+               absl::StrCat(queue_depth_.load(std::memory_order_relaxed)), &out);
+
+  AppendHeader("attention_in_flight", "gauge", "Calls being handled.", &out);
+  AppendSample("attention_in_flight", "", absl::StrCat(in_flight_.load(std::memory_order_relaxed)),
+               &out);
+
+  AppendHeader("attention_not_computed_total", "counter",
+               "Requests dropped before compute because their call was cancelled or past its "
+               "deadline.",
+               &out);
+  for (const auto& [reason, count] : not_computed_) {
+    AppendSample("attention_not_computed_total", RenderLabels({{"reason", reason}}),
+                 absl::StrCat(count), &out);
+  }
+  return out;
+}
+
+struct MetricsServer::Impl {
+  httplib::Server http;
+  std::thread thread;
+  std::atomic<bool> finished{false};
+  int port = 0;
+};
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& host,
+                                                                    int port,
+                                                                    const Metrics* metrics) {
+  if (metrics == nullptr) return absl::InvalidArgumentError("metrics server: no metrics");
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics port: ", port, " is outside [0, 65535]"));
+  }
+  auto impl = std::make_unique<Impl>();
+  httplib::Server& http = impl->http;
+  http.Get("/metrics", [metrics](const httplib::Request&, httplib::Response& response) {
+    response.set_content(metrics->RenderPrometheus(), kContentType);
+  });
+  http.Get("/healthz", [](const httplib::Request&, httplib::Response& response) {
+    response.set_content("ok\n", "text/plain; charset=utf-8");
+  });
+  // httplib's default sets SO_REUSEPORT, which would let a second server bind
+  // a port that is already serving; SO_REUSEADDR only allows quick restarts.
+  http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  // Scrapes are rare and small: two workers, one request per connection, and
+  // a short wait for a request so shutdown is never held up for long.
+  http.new_task_queue = [] { return new httplib::ThreadPool(2); };
+  http.set_keep_alive_max_count(1);
+  http.set_keep_alive_timeout(1);
+
+  if (port == 0) {
+    impl->port = http.bind_to_any_port(host);
+  } else {
+    impl->port = http.bind_to_port(host, port) ? port : -1;
+  }
+  if (impl->port <= 0) {
+    return absl::UnavailableError(absl::StrCat("metrics server: cannot listen on ", host, ":", port,
+                                               " (address in use or not local?)"));
+  }
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] {
+    raw->http.listen_after_bind();
+    raw->finished.store(true);
+  });
+  // stop() only acts on a running server: wait for the listener to be up, so
+  // the destructor cannot race ahead of it.
+  while (!raw->http.is_running() && !raw->finished.load()) std::this_thread::yield();
+  return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(impl)));
+}
+
+MetricsServer::MetricsServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+MetricsServer::~MetricsServer() {
+  impl_->http.stop();
+  impl_->thread.join();
+}
+
+int MetricsServer::port() const { return impl_->port; }
+
+}  // namespace attention::server

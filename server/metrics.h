@@ -1,0 +1,114 @@
+#ifndef ATTENTION_SERVER_METRICS_H_
+#define ATTENTION_SERVER_METRICS_H_
+
+// The server's Prometheus metrics, and the small HTTP server that exposes them.
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace attention::server {
+
+// Counters, gauges and histograms of one server, rendered in the Prometheus
+// text exposition format 0.0.4:
+//   attention_requests_total{method,model,code}            counter
+//   attention_latency_seconds{stage,method}                histogram
+//   attention_batch_size                                   histogram
+//   attention_queue_depth, attention_in_flight             gauges
+//   attention_not_computed_total{reason}                   counter
+// Label values are free text (escaped when rendered). Thread-safe; recording
+// takes one short mutex hold (gauges are lock-free).
+class Metrics {
+ public:
+  // Upper bounds ("le") of the latency buckets, in seconds: 50us to 30s in a
+  // 1-2.5-5 progression. Observations above the last go to "+Inf" only.
+  static const std::vector<double>& LatencyBuckets();
+  // Upper bounds of the batch-size buckets: 1, 2, 4, ..., 256.
+  static const std::vector<double>& BatchSizeBuckets();
+
+  Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // One finished call of `method` ("Attend", ...) for `model` ("" for raw
+  // attention) with gRPC status code `grpc_code` (rendered by name: "OK",
+  // "INVALID_ARGUMENT", ...; unknown numbers as digits).
+  void CountRequest(absl::string_view method, absl::string_view model, int grpc_code);
+  // One latency observation of `stage` ("queue", "compute" or "total") for
+  // `method`. Negative values count as 0; NaN is dropped.
+  void ObserveSeconds(absl::string_view stage, absl::string_view method, double seconds);
+  // One engine call that ran `size` requests together.
+  void ObserveBatchSize(int size);
+  // Requests now waiting for compute.
+  void SetQueueDepth(int64_t depth);
+  // Calls being handled; +1 when one starts, -1 when it finishes.
+  void AddInFlight(int delta);
+  // A request dropped before compute because its call was over; `reason` is
+  // "cancelled" or "deadline_exceeded" (both are rendered from the start, at 0).
+  void CountNotComputed(absl::string_view reason);
+
+  // Every metric with # HELP and # TYPE lines; series sorted by labels.
+  std::string RenderPrometheus() const;
+
+ private:
+  struct Histogram {
+    explicit Histogram(size_t buckets) : counts(buckets + 1, 0) {}
+    std::vector<uint64_t> counts;  // per bucket, not cumulative; last is +Inf
+    double sum = 0;
+    uint64_t count = 0;
+  };
+  using RequestKey = std::tuple<std::string, std::string, int>;  // method, model, code
+  using StageKey = std::pair<std::string, std::string>;          // stage, method
+
+  static void Observe(const std::vector<double>& bounds, double value, Histogram* histogram);
+
+  mutable absl::Mutex mu_;
+  std::map<RequestKey, uint64_t> requests_ ABSL_GUARDED_BY(mu_);
+  std::map<StageKey, Histogram> latency_ ABSL_GUARDED_BY(mu_);
+  Histogram batch_size_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> not_computed_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> queue_depth_{0};
+  std::atomic<int64_t> in_flight_{0};
+};
+
+// An HTTP server on its own threads answering
+//   GET /metrics  the Metrics' RenderPrometheus() (text/plain; version=0.0.4)
+//   GET /healthz  "ok" while the process is up
+// and 404 for anything else. Thread-safe.
+class MetricsServer {
+ public:
+  // Binds `host`:`port` (0 picks a free port) and starts serving `metrics`,
+  // which must outlive the server. INVALID_ARGUMENT for a null `metrics` or a
+  // port outside [0, 65535]; UNAVAILABLE when the address cannot be bound
+  // (e.g. the port is in use).
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& host, int port,
+                                                              const Metrics* metrics);
+
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+  // Stops listening and joins the threads; a scrape in progress is finished
+  // first (connections idle for over a second are dropped).
+  ~MetricsServer();
+
+  // The bound port.
+  int port() const;
+
+ private:
+  struct Impl;
+  explicit MetricsServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_METRICS_H_

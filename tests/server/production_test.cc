@@ -1,0 +1,190 @@
+// The operator-facing features end to end, on a real server on 127.0.0.1:0:
+// bearer-token auth, TLS and mTLS, Prometheus metrics, graceful drain.
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/tensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "server/metrics.h"
+#include "tests/safetensors_writer.h"
+#include "tests/server/test_server.h"
+#include "tests/server/tls_certs.h"
+#include "tests/status_matchers.h"
+
+namespace attention::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::AttendRequest Small(const std::string& id = "p") {
+  v1::AttendRequest r;
+  r.set_id(id);
+  *r.mutable_query() = Ramp({1, 6, 8});
+  r.set_num_heads(2);
+  return r;
+}
+
+// Prometheus text as {"name{labels}" -> value}.
+std::map<std::string, double> ParseMetrics(const std::string& text) {
+  std::map<std::string, double> series;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    double value = 0;
+    EXPECT_TRUE(absl::SimpleAtod(line.substr(space + 1), &value)) << line;
+    series[line.substr(0, space)] = value;
+  }
+  return series;
+}
+
+TEST(AuthTest, CallsNeedTheBearerTokenButHealthDoesNot) {
+  const std::string dir = MakeTempDir("auth");
+  WriteFile(dir + "/token", "s3cret-token\n");
+  ServerOptions options;
+  options.auth_token_file = dir + "/token";
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  client::AttentionClient& anonymous = (*server)->client();
+  EXPECT_THAT(anonymous.Attend(Small()),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("authorization")));
+  EXPECT_THAT(anonymous.GetServerInfo(), StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("")));
+  EXPECT_THAT(anonymous.Health(), IsOkAndHolds("SERVING"));
+
+  client::ClientOptions wrong;
+  wrong.target = (*server)->server().address();
+  wrong.bearer_token = "s3cret";
+  EXPECT_THAT((*std::move(client::AttentionClient::Create(wrong)))->Attend(Small()),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("invalid bearer token")));
+  client::ClientOptions right = wrong;
+  right.bearer_token = "s3cret-token";
+  auto authed = client::AttentionClient::Create(right);
+  ASSERT_THAT(authed, IsOk());
+  EXPECT_THAT((*authed)->Attend(Small()), IsOk());
+  EXPECT_THAT((*authed)->ListModels(), IsOk());
+}
+
+class TlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto certs = TlsCerts::Generate();
+    ASSERT_THAT(certs, IsOk());
+    certs_ = *std::move(certs);
+  }
+  // A client to `server` trusting the test CA, presenting `cert`/`key` if given.
+  static absl::StatusOr<std::unique_ptr<client::AttentionClient>> Client(
+      const TestServer& server, const std::string& ca, const std::string& cert = "",
+      const std::string& key = "") {
+    client::ClientOptions o;
+    o.target = const_cast<TestServer&>(server).server().address();
+    o.tls_ca_file = ca;
+    o.tls_cert_file = cert;
+    o.tls_key_file = key;
+    o.timeout = absl::Seconds(5);
+    return client::AttentionClient::Create(o);
+  }
+  std::unique_ptr<TlsCerts> certs_;
+};
+
+TEST_F(TlsTest, ServesTlsAndRefusesPlaintext) {
+  ServerOptions options;
+  options.tls_cert_file = certs_->server_cert();
+  options.tls_key_file = certs_->server_key();
+  client::ClientOptions tls_client;
+  tls_client.tls_ca_file = certs_->ca_cert();
+  auto server = TestServer::Start(options, tls_client);
+  ASSERT_THAT(server, IsOk());
+  EXPECT_THAT((*server)->client().Attend(Small()), IsOk());
+
+  client::ClientOptions plain;
+  plain.target = (*server)->server().address();
+  plain.timeout = absl::Seconds(2);
+  EXPECT_THAT((*std::move(client::AttentionClient::Create(plain)))->Attend(Small()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+}
+
+TEST_F(TlsTest, MutualTlsNeedsAClientCertificateFromTheTrustedCa) {
+  ServerOptions options;
+  options.tls_cert_file = certs_->server_cert();
+  options.tls_key_file = certs_->server_key();
+  options.tls_client_ca_file = certs_->ca_cert();
+  client::ClientOptions with_cert;
+  with_cert.tls_ca_file = certs_->ca_cert();
+  with_cert.tls_cert_file = certs_->client_cert();
+  with_cert.tls_key_file = certs_->client_key();
+  auto server = TestServer::Start(options, with_cert);
+  ASSERT_THAT(server, IsOk());
+  EXPECT_THAT((*server)->client().Attend(Small()), IsOk());
+  auto no_cert = Client(**server, certs_->ca_cert());
+  ASSERT_THAT(no_cert, IsOk());
+  EXPECT_THAT((*no_cert)->Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+  auto stranger = Client(**server, certs_->ca_cert(), certs_->stranger_cert(), certs_->stranger_key());
+  ASSERT_THAT(stranger, IsOk());
+  EXPECT_THAT((*stranger)->Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+}
+
+TEST(MetricsEndToEndTest, ScrapedMetricsCountRequestsByCodeAndTimeThem) {
+  ServerOptions options;
+  options.metrics_port = 0;
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  ASSERT_GT((*server)->server().metrics_port(), 0);
+  for (int i = 0; i < 3; ++i) ASSERT_THAT((*server)->client().Attend(Small()), IsOk());
+  v1::AttendRequest bad = Small();
+  bad.set_num_heads(3);
+  EXPECT_THAT((*server)->client().Attend(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_heads")));
+
+  httplib::Client http("127.0.0.1", (*server)->server().metrics_port());
+  httplib::Result res = http.Get("/metrics");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  ASSERT_EQ(res->status, 200);
+  const std::map<std::string, double> m = ParseMetrics(res->body);
+  EXPECT_EQ(m.at(R"(attention_requests_total{method="Attend",model="",code="OK"})"), 3);
+  EXPECT_EQ(m.at(R"(attention_requests_total{method="Attend",model="",code="INVALID_ARGUMENT"})"), 1);
+  EXPECT_EQ(m.at(R"(attention_latency_seconds_count{stage="total",method="Attend"})"), 4);
+  EXPECT_EQ(m.at(R"(attention_latency_seconds_count{stage="compute",method="Attend"})"), 3);
+  EXPECT_EQ(m.at(R"(attention_latency_seconds_count{stage="queue",method="Attend"})"), 3);
+  EXPECT_GE(m.at("attention_batch_size_count"), 3);  // warm-up batches count too
+  EXPECT_EQ(m.at("attention_in_flight"), 0);
+  EXPECT_EQ(m.at("attention_queue_depth"), 0);
+}
+
+// SIGTERM's path: Shutdown() while a call is computing lets it finish and
+// refuses new calls.
+TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
+  ServerOptions options;
+  options.drain_seconds = 30;
+  options.engine.max_score_elements = 0;
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  v1::AttendRequest big;  // a few hundred ms of compute on two cores
+  *big.mutable_query() = Ramp({4, 8, 1024, 64});
+  big.set_need_weights(true);
+  absl::StatusOr<v1::AttendResponse> in_flight;
+  std::thread caller([&] { in_flight = (*server)->client().Attend(big); });
+  const server::Metrics& metrics = (*server)->server().metrics();
+  for (int i = 0; i < 2000 && ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"] < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"], 1);
+  std::thread stopper([&] { (*server)->server().Shutdown(); });
+  caller.join();
+  stopper.join();
+  ASSERT_THAT(in_flight, IsOk());
+  EXPECT_EQ(in_flight->output().shape_size(), 4);
+  EXPECT_THAT((*server)->client().Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+}
+
+}  // namespace
+}  // namespace attention::testing
