@@ -19,7 +19,8 @@ float RowMax(const float* x, int64_t n);
 // x[j] = exp(x[j] - shift); returns the sum of the new x.
 float ExpShiftSum(float* x, int64_t n, float shift);
 
-// y[j] = bf16(exp(x[j] - shift)); returns the sum of the float values.
+// y[j] = bf16(exp(x[j] - shift)) for shift >= max x; returns the sum of the
+// float values. The exp is only as exact as bf16 needs (relative 4e-6).
 float ExpShiftSumToBFloat16(const float* x, uint16_t* y, int64_t n, float shift);
 
 // x[j] *= factor

@@ -172,7 +172,10 @@ struct Operand {
   }
 };
 
-// Owns converted copies of inputs.
+using HalfBuffer = std::vector<uint16_t, DefaultInitAllocator<uint16_t>>;
+
+// Owns converted copies of inputs, in the engine's reused output memory (no
+// zero-fill, no fresh page faults on every call).
 class Storage {
  public:
   // `v` as float32 / bf16: its own data when already so, else a copy made
@@ -180,7 +183,20 @@ class Storage {
   const float* Floats(const TensorView& v) {
     if (v.dtype == DType::kFloat32) return static_cast<const float*>(v.data);
     auto [it, added] = float_copies_.try_emplace(v.data);
-    if (added) it->second = LoadFloats(v);
+    if (added) {
+      const int64_t n = static_cast<int64_t>(v.size_bytes / DTypeSize(v.dtype));
+      it->second.resize(static_cast<size_t>(n));
+      float* out = it->second.data();
+      if (v.dtype == DType::kBFloat16) {
+        const auto* in = static_cast<const uint16_t*>(v.data);
+        constexpr int64_t kChunk = 1 << 16;
+#pragma omp parallel for schedule(static)
+        for (int64_t c = 0; c < n; c += kChunk) FromBFloat16(in + c, out + c, std::min(kChunk, n - c));
+      } else {
+        const std::vector<float> loaded = LoadFloats(v);
+        std::copy(loaded.begin(), loaded.end(), out);
+      }
+    }
     return it->second.data();
   }
   const uint16_t* BFloat16s(const TensorView& v) {
@@ -197,21 +213,21 @@ class Storage {
     }
     return it->second.data();
   }
-  std::vector<float>& NewFloats(size_t n) {
+  FloatBuffer& NewFloats(size_t n) {
     floats_.emplace_back(n);
     return floats_.back();
   }
-  std::vector<uint16_t>& NewHalves(size_t n) {
+  HalfBuffer& NewHalves(size_t n) {
     halves_.emplace_back(n);
     return halves_.back();
   }
 
  private:
-  std::map<const void*, std::vector<float>> float_copies_;
-  std::map<const void*, std::vector<uint16_t>> half_copies_;
+  std::map<const void*, FloatBuffer> float_copies_;
+  std::map<const void*, HalfBuffer> half_copies_;
   // Deques: references handed out stay valid as more buffers are added.
-  std::deque<std::vector<float>> floats_;
-  std::deque<std::vector<uint16_t>> halves_;
+  std::deque<FloatBuffer> floats_;
+  std::deque<HalfBuffer> halves_;
 };
 
 // Every mask of a call, ready for the row pass.
@@ -373,8 +389,12 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
 
   const int64_t H = s.heads, Hk = s.kv_heads, L = s.query_len, S = s.key_len;
   p.v = MakeOperand(vv, a, s, Hk, s.value_dim, p.bf16, st);
-  p.qf = MakeOperand(qv, a, s, H, s.query_dim, false, st);
-  p.kf = MakeOperand(kv, a, s, Hk, s.key_dim, false, st);
+  // Float32 q and k: read by every score kind but the plain dot products.
+  const bool plain_dot = p.kind == ScoreKind::kScaledDot || p.kind == ScoreKind::kDot;
+  if (!plain_dot) {
+    p.qf = MakeOperand(qv, a, s, H, s.query_dim, false, st);
+    p.kf = MakeOperand(kv, a, s, Hk, s.key_dim, false, st);
+  }
   const int64_t Bq = BatchOf(qv, a, s.rank4), Bk = p.key_batches;
   p.query_batches = Bq;
 
@@ -382,7 +402,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
     // q' = q W per head, [Bq, H, L, Dk]; then scores are q' . k.
     const std::vector<float> w = LoadFloats(a.score.w);
     const int64_t dq = s.query_dim, dk = s.key_dim;
-    std::vector<float>& qw = st.NewFloats(static_cast<size_t>(Bq * H * L * dk));
+    FloatBuffer& qw = st.NewFloats(static_cast<size_t>(Bq * H * L * dk));
 #pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < Bq; ++b)
       for (int64_t h = 0; h < H; ++h)
@@ -399,7 +419,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
     derived.cols = dk;
     derived.ix = HeadIndexer{Bq == 1 ? 0 : H * L * dk, L * dk, dk};
     if (p.bf16) {
-      std::vector<uint16_t>& half = st.NewHalves(qw.size());
+      HalfBuffer& half = st.NewHalves(qw.size());
       ToBFloat16(qw.data(), half.data(), static_cast<int64_t>(qw.size()));
       derived.data = half.data();
       derived.bf16 = true;
@@ -413,7 +433,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
   if (p.gemm_scores) p.k = MakeOperand(kv, a, s, Hk, s.key_dim, p.bf16, st);
 
   if (p.kind == ScoreKind::kCosine) {
-    std::vector<float>& rn = st.NewFloats(static_cast<size_t>(Bq * H * L));
+    FloatBuffer& rn = st.NewFloats(static_cast<size_t>(Bq * H * L));
 #pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < Bq; ++b)
       for (int64_t h = 0; h < H; ++h)
@@ -421,7 +441,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
           const float* r = p.qf.RowF(b, h, i);
           rn[(b * H + h) * L + i] = std::sqrt(Dot(r, r, s.query_dim));
         }
-    std::vector<float>& cn = st.NewFloats(static_cast<size_t>(Bk * Hk * S));
+    FloatBuffer& cn = st.NewFloats(static_cast<size_t>(Bk * Hk * S));
 #pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < Bk; ++b)
       for (int64_t h = 0; h < Hk; ++h)
@@ -439,7 +459,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
     const float factor = static_cast<float>(bw * bw);
     const float base_scale = a.score.scale ? static_cast<float>(*a.score.scale) : 1.0f;
     p.scale = factor * base_scale;
-    std::vector<float>& kb = st.NewFloats(static_cast<size_t>(Bk * Hk * S));
+    FloatBuffer& kb = st.NewFloats(static_cast<size_t>(Bk * Hk * S));
 #pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < Bk; ++b)
       for (int64_t h = 0; h < Hk; ++h)
@@ -455,7 +475,7 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
     p.add_w = st.Floats(a.score.w_v);
     auto project = [&](const Operand& src, int64_t batches, int64_t heads, int64_t rows,
                        const std::vector<float>& w, int64_t dim) {
-      std::vector<float>& out = st.NewFloats(static_cast<size_t>(batches * heads * rows * p.hidden));
+      FloatBuffer& out = st.NewFloats(static_cast<size_t>(batches * heads * rows * p.hidden));
 #pragma omp parallel for collapse(3) schedule(static)
       for (int64_t b = 0; b < batches; ++b)
         for (int64_t h = 0; h < heads; ++h)
@@ -671,7 +691,13 @@ class OneDnnBackend final : public ComputeBackend {
 
   std::vector<absl::StatusOr<AttentionResult>> RunBatch(
       absl::Span<const BackendCall> calls) override {
-    omp_set_num_threads(threads_);
+    double flops = 0;
+    for (const BackendCall& call : calls) {
+      const AttentionShape& sh = call.shape;
+      flops += 2.0 * sh.batch * sh.heads * sh.query_len * sh.key_len *
+               static_cast<double>(sh.query_dim + sh.value_dim);
+    }
+    omp_set_num_threads(ThreadsFor(flops));
     const size_t n = calls.size();
     std::vector<absl::StatusOr<AttentionResult>> results(n);
     std::deque<Storage> storages(n);
@@ -715,15 +741,17 @@ class OneDnnBackend final : public ComputeBackend {
   }
 
   absl::Status LinearBatch(absl::Span<const LinearJob> jobs) override {
-    omp_set_num_threads(threads_);
     struct Item {
       const LinearJob* job;
       int64_t row0;
     };
     std::vector<Item> items;
+    double flops = 0;
     for (const LinearJob& j : jobs) {
       for (int64_t r = 0; r < j.rows; r += kLinearRows) items.push_back({&j, r});
+      flops += 2.0 * j.rows * j.in * static_cast<double>(j.out);
     }
+    omp_set_num_threads(ThreadsFor(flops));
     const int64_t total = static_cast<int64_t>(items.size());
     absl::Status first_error;
 #pragma omp parallel
@@ -754,6 +782,15 @@ class OneDnnBackend final : public ComputeBackend {
   // Rows per projection matmul: fixed, so a call's rows are split the same
   // way whether or not it is batched.
   static constexpr int64_t kLinearRows = 256;
+  // Below this much work (about 50 us on one core) a pass runs on the compute
+  // thread alone: forking and joining OpenMP threads costs more than it saves,
+  // and on a machine whose cores also run gRPC an idle team member's wake-up
+  // can take milliseconds. Work items, and so results, are the same either way.
+  static constexpr double kParallelFlops = 4e6;
+
+  // OpenMP threads for a pass of `flops`: oneDNN reads the same setting, so a
+  // small pass runs single-threaded all the way down.
+  int ThreadsFor(double flops) const { return flops >= kParallelFlops ? threads_ : 1; }
 
   // How a call splits into work items.
   struct WorkSplit {

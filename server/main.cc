@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -86,6 +87,10 @@ absl::Status WritePortFile(const std::string& path, int port) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The engine's OpenMP threads share the cores with gRPC's: idle ones sleep
+  // rather than spin (unless the environment says otherwise). Must precede
+  // the OpenMP runtime's start.
+  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
   absl::SetProgramUsageMessage("Serves attention.v1.AttentionService over gRPC.");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {
