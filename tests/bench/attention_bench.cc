@@ -1,6 +1,7 @@
 // attention_bench: attention throughput of the fused, oneDNN-with-weights and
 // reference paths, as GFLOPS and as ratios of oneDNN's own GEMM measured in the
-// same run, plus a peak-RSS check of a long fused call. README "Benchmarks".
+// same run; throughput of one and two concurrent callers; and a peak-RSS check
+// of a long fused call. README "Benchmarks".
 
 #include <unistd.h>
 
@@ -24,11 +25,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "benchmark/benchmark.h"
 #include "engine/engine.h"
+#include "engine/gemm_baseline.h"
 #include "engine/half.h"
 #include "engine/status_macros.h"
-#include "oneapi/dnnl/dnnl.hpp"
 
 namespace attention {
 namespace {
@@ -38,6 +40,7 @@ constexpr double kMiB = 1024.0 * 1024.0;
 constexpr int64_t kGemmSize = 2048;
 constexpr double kMaxPeakRssGrowthMiB = 256;
 constexpr char kGflops[] = "GFLOPS";
+constexpr char kCallsPerSecond[] = "calls/s";
 constexpr char kMemoryCheckFlag[] = "--memory_check";
 // Google Benchmark flags with another default here: medians of interleaved
 // repetitions keep the ratios steady on a busy machine.
@@ -135,30 +138,54 @@ std::vector<AttentionCase> AttentionCases() {
   };
 }
 
-constexpr dnnl::memory::data_type kGemmTypes[] = {dnnl::memory::data_type::f32,
-                                                  dnnl::memory::data_type::bf16};
+// Callers of fused f32 at kConcurrencyShape at once, all on one engine or each
+// on its own. GFLOPS and calls/s are totals over the callers.
+struct ConcurrencyCase {
+  int callers;
+  bool own_engines;
 
-std::string GemmName(dnnl::memory::data_type input_type) {
-  return absl::StrCat("gemm/", input_type == dnnl::memory::data_type::bf16 ? "bf16" : "f32", "/M",
-                      kGemmSize, "_N", kGemmSize, "_K", kGemmSize);
+  // The function name; Google Benchmark adds "/real_time/threads:<callers>".
+  std::string Name() const;
+  std::string Key() const { return absl::StrCat(Name(), "/threads:", callers); }
+};
+
+const Shape kConcurrencyShape = kBatchedShape;
+// The first is the baseline of the others' ratios.
+constexpr ConcurrencyCase kConcurrencyCases[] = {{1, false}, {2, false}, {2, true}};
+
+std::string ConcurrencyCase::Name() const {
+  return absl::StrCat("concurrent/", own_engines ? "own_engines" : "one_engine", "/fused/",
+                      kConcurrencyShape.Name());
+}
+
+constexpr bool kGemmBf16[] = {false, true};
+
+std::string GemmName(bool bf16) {
+  return absl::StrCat("gemm/", bf16 ? "bf16" : "f32", "/M", kGemmSize, "_N", kGemmSize, "_K",
+                      kGemmSize);
 }
 
 std::string MemoryCheckName() { return absl::StrCat("memory check, fused/", kMemoryShape.Name()); }
 
-// One T per key, built on first use and kept for the life of the process;
-// benchmarks run on one thread.
+// One T per key, built on first use and kept for the life of the process.
+// Thread-safe.
 template <typename T>
 absl::StatusOr<T*> Shared(const std::string& key,
                           const std::function<absl::StatusOr<std::unique_ptr<T>>()>& make) {
+  static absl::Mutex mu(absl::kConstInit);
   static auto* cache = new std::map<std::string, absl::StatusOr<std::unique_ptr<T>>>();
+  absl::MutexLock lock(&mu);
   auto it = cache->find(key);
   if (it == cache->end()) it = cache->emplace(key, make()).first;
   if (!it->second.ok()) return it->second.status();
   return it->second->get();
 }
 
-absl::StatusOr<Engine*> SharedEngine(Backend backend) {
-  return Shared<Engine>(backend == Backend::kReference ? "reference" : "onednn", [backend] {
+// Instance 0 of the oneDNN engine is the one every single-caller benchmark
+// uses; other instances are further engines of the same options.
+absl::StatusOr<Engine*> SharedEngine(Backend backend, int instance = 0) {
+  const std::string key = backend == Backend::kReference ? "reference" : "onednn";
+  return Shared<Engine>(instance == 0 ? key : absl::StrCat(key, "#", instance), [backend] {
     EngineOptions options;
     options.backend = backend;
     options.max_tensor_elements = 0;
@@ -220,16 +247,23 @@ AttentionArgs MakeArgs(const AttentionInputs& inputs, const Shape& shape, Path p
   return args;
 }
 
-void SetGflops(benchmark::State& state, double flops_per_call) {
-  state.counters[kGflops] =
-      benchmark::Counter(flops_per_call / kGiga, benchmark::Counter::kIsIterationInvariantRate);
+// Totals over the benchmark's threads: every thread sets the same values, and
+// kAvgThreads undoes the sum Google Benchmark makes of them.
+void SetRates(benchmark::State& state, double flops_per_call) {
+  const benchmark::Counter::Flags flags =
+      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kAvgThreads;
+  state.counters[kGflops] = benchmark::Counter(flops_per_call / kGiga, flags);
+  state.counters[kCallsPerSecond] = benchmark::Counter(1, flags);
 }
 
-// Times Attend; the first run of each case (`warmed` false) makes one untimed
-// call first, so primitive creation stays out of the figures.
-void BM_Attention(benchmark::State& state, const AttentionCase& c, bool& warmed) {
+// Times Attend of `c` from `state.threads()` callers at once: all on oneDNN
+// engine instance 0 (or the reference engine), or with `own_engines` caller i
+// on instance i. With `warm_up` each caller first makes one untimed call, so
+// primitive creation stays out of the figures.
+void TimeAttend(benchmark::State& state, const AttentionCase& c, bool own_engines, bool warm_up) {
   const absl::StatusOr<Engine*> engine =
-      SharedEngine(c.path == Path::kReference ? Backend::kReference : Backend::kOneDnn);
+      SharedEngine(c.path == Path::kReference ? Backend::kReference : Backend::kOneDnn,
+                   own_engines ? state.thread_index() : 0);
   if (!engine.ok()) {
     state.SkipWithError(engine.status().ToString().c_str());
     return;
@@ -241,13 +275,12 @@ void BM_Attention(benchmark::State& state, const AttentionCase& c, bool& warmed)
                                 return MakeInputs(c.shape, dtype);
                               });
   const AttentionArgs args = MakeArgs(**inputs, c.shape, c.path, c.precision);
-  if (!warmed) {
+  if (warm_up) {
     const absl::StatusOr<AttentionResult> result = (*engine)->Attend(args);
     if (!result.ok()) {
       state.SkipWithError(result.status().ToString().c_str());
       return;
     }
-    warmed = true;
   }
   for (auto _ : state) {
     absl::StatusOr<AttentionResult> result = (*engine)->Attend(args);
@@ -257,7 +290,19 @@ void BM_Attention(benchmark::State& state, const AttentionCase& c, bool& warmed)
     }
     benchmark::DoNotOptimize(result->output.data.data());
   }
-  SetGflops(state, c.shape.Flops());
+  SetRates(state, c.shape.Flops());
+}
+
+// One caller; only the first run of each case (`warmed` false) warms up.
+void BM_Attention(benchmark::State& state, const AttentionCase& c, bool& warmed) {
+  TimeAttend(state, c, /*own_engines=*/false, /*warm_up=*/!warmed);
+  warmed = true;
+}
+
+// Every run warms up: a caller's own engine may be new.
+void BM_Concurrent(benchmark::State& state, const ConcurrencyCase& c) {
+  TimeAttend(state, {Path::kFused, Precision::kFloat32, kConcurrencyShape, std::nullopt},
+             c.own_engines, /*warm_up=*/true);
 }
 
 // Bytes of a "VmRSS" / "VmHWM" line of /proc/self/status.
@@ -314,64 +359,10 @@ absl::StatusOr<MemoryCheck> RunMemoryCheck() {
   return MemoryCheck{inputs->bytes(), peak - rss_before, elapsed.count()};
 }
 
-// A [M, K] x [K, N] oneDNN matmul, dense row-major, float32 output, built once.
-class Gemm {
- public:
-  // INTERNAL when oneDNN cannot build it.
-  static absl::StatusOr<std::unique_ptr<Gemm>> Create(dnnl::memory::data_type input_type) {
-    try {
-      return std::unique_ptr<Gemm>(new Gemm(input_type));
-    } catch (const dnnl::error& e) {
-      return absl::InternalError(absl::StrCat(GemmName(input_type), ": ", e.what()));
-    }
-  }
-
-  // INTERNAL when oneDNN fails.
-  absl::Status Run() {
-    try {
-      matmul_.execute(stream_,
-                      {{DNNL_ARG_SRC, src_}, {DNNL_ARG_WEIGHTS, weights_}, {DNNL_ARG_DST, dst_}});
-      stream_.wait();
-    } catch (const dnnl::error& e) {
-      return absl::InternalError(e.what());
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  explicit Gemm(dnnl::memory::data_type input_type)
-      : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {
-    using Tag = dnnl::memory::format_tag;
-    const dnnl::memory::dims dims = {kGemmSize, kGemmSize};
-    const dnnl::memory::desc src_md(dims, input_type, Tag::ab);
-    const dnnl::memory::desc weights_md(dims, input_type, Tag::ab);
-    const dnnl::memory::desc dst_md(dims, dnnl::memory::data_type::f32, Tag::ab);
-    matmul_ = dnnl::matmul(
-        dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_md, weights_md, dst_md), engine_));
-    src_ = RandomMemory(src_md, 4);
-    weights_ = RandomMemory(weights_md, 5);
-    dst_ = dnnl::memory(dst_md, engine_);
-  }
-
-  dnnl::memory RandomMemory(const dnnl::memory::desc& md, uint32_t seed) {
-    const DType dtype =
-        md.data_type() == dnnl::memory::data_type::bf16 ? DType::kBFloat16 : DType::kFloat32;
-    const OwnedTensor values = RandomTensor(dtype, {kGemmSize, kGemmSize}, seed);
-    dnnl::memory memory(md, engine_);
-    std::memcpy(memory.get_data_handle(), values.bytes.data(), values.bytes.size());
-    return memory;
-  }
-
-  dnnl::engine engine_;
-  dnnl::stream stream_;
-  dnnl::matmul matmul_;
-  dnnl::memory src_, weights_, dst_;
-};
-
 // oneDNN's own matmul on the benchmark thread, with OpenMP's default threads.
-void BM_Gemm(benchmark::State& state, dnnl::memory::data_type input_type) {
-  const absl::StatusOr<Gemm*> gemm =
-      Shared<Gemm>(GemmName(input_type), [input_type] { return Gemm::Create(input_type); });
+void BM_Gemm(benchmark::State& state, bool bf16) {
+  const absl::StatusOr<GemmBaseline*> gemm = Shared<GemmBaseline>(
+      GemmName(bf16), [bf16] { return GemmBaseline::Create(kGemmSize, bf16); });
   absl::Status warm_up = gemm.ok() ? (*gemm)->Run() : gemm.status();
   if (!warm_up.ok()) {
     state.SkipWithError(warm_up.ToString().c_str());
@@ -383,7 +374,7 @@ void BM_Gemm(benchmark::State& state, dnnl::memory::data_type input_type) {
       break;
     }
   }
-  SetGflops(state, 2.0 * kGemmSize * kGemmSize * kGemmSize);
+  SetRates(state, (*gemm)->flops());
 }
 
 // The console output: one line per benchmark (the median when repeated, with
@@ -392,15 +383,15 @@ void BM_Gemm(benchmark::State& state, dnnl::memory::data_type input_type) {
 // (repetitions may be interleaved), and a summary table comes at the end.
 class RatioReporter : public benchmark::ConsoleReporter {
  public:
-  RatioReporter(OutputOptions options, std::vector<AttentionCase> cases)
-      : ConsoleReporter(options), cases_(std::move(cases)) {}
+  // `engine_threads`: the compute threads of each oneDNN engine.
+  RatioReporter(OutputOptions options, std::vector<AttentionCase> cases, int engine_threads)
+      : ConsoleReporter(options), cases_(std::move(cases)), engine_threads_(engine_threads) {}
 
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& run : runs) {
-      const auto gflops = run.counters.find(kGflops);
-      if (run.error_occurred || gflops == run.counters.end()) continue;
+      if (run.error_occurred || !run.counters.contains(kGflops)) continue;
       if (run.run_type == Run::RT_Iteration || run.aggregate_name == "median") {
-        gflops_[run.run_name.function_name] = gflops->second.value;
+        counters_[Key(run)] = run.counters;
       }
     }
     // A repeated benchmark shows only its median, which comes in a later call;
@@ -420,9 +411,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
 
   void PrintSummary(std::ostream& out) const {
     std::vector<std::string> rows;
-    for (dnnl::memory::data_type type : kGemmTypes) {
-      if (std::optional<double> gflops = Gflops(GemmName(type))) {
-        rows.push_back(absl::StrFormat("%-44s %8.1f", GemmName(type), *gflops));
+    for (bool bf16 : kGemmBf16) {
+      if (std::optional<double> gflops = Gflops(GemmName(bf16))) {
+        rows.push_back(absl::StrFormat("%-44s %8.1f", GemmName(bf16), *gflops));
       }
     }
     bool any_causal = false;
@@ -442,9 +433,42 @@ class RatioReporter : public benchmark::ConsoleReporter {
       out << "Causal rows count only the unmasked half (2*B*H*L*S*D flops per call), so their "
              "GFLOPS and ratios are for the work a causal call has to do.\n";
     }
+    PrintConcurrency(out);
   }
 
  private:
+  // "name" of a benchmark without Threads(), "name/threads:N" of one with.
+  static std::string Key(const Run& run) {
+    const std::string& threads = run.run_name.threads;
+    return threads.empty() ? run.run_name.function_name
+                           : absl::StrCat(run.run_name.function_name, "/", threads);
+  }
+
+  void PrintConcurrency(std::ostream& out) const {
+    const std::optional<double> one_caller = Counter(kConcurrencyCases[0].Key(), kCallsPerSecond);
+    std::vector<std::string> rows;
+    for (const ConcurrencyCase& c : kConcurrencyCases) {
+      const std::optional<double> calls = Counter(c.Key(), kCallsPerSecond);
+      const std::optional<double> gflops = Counter(c.Key(), kGflops);
+      if (!calls || !gflops) continue;
+      const std::string threads = c.own_engines ? absl::StrCat(c.callers, " x ", engine_threads_)
+                                                : absl::StrCat(engine_threads_);
+      const std::string who =
+          absl::StrFormat("%d caller%s, %s (%s threads)", c.callers, c.callers == 1 ? "" : "s",
+                          c.own_engines ? "one engine each" : "one engine", threads);
+      rows.push_back(absl::StrFormat("%-44s %8.1f %8.2f %12s", who, *gflops, *calls,
+                                     RatioCell(*calls, one_caller)));
+    }
+    if (rows.empty()) return;
+    out << "\nConcurrency: fused/" << kConcurrencyShape.Name()
+        << " f32; GFLOPS and calls/s are totals over the callers.\n"
+        << absl::StrFormat("%-44s %8s %8s %12s\n", "callers", "GFLOPS", "calls/s", "x 1 caller")
+        << absl::StrJoin(rows, "\n") << "\n"
+        << "One engine runs one call at a time on its threads, so a second caller should "
+           "neither add nor lose throughput (~1.00x); with an engine each, the callers' "
+           "threads oversubscribe the cores.\n";
+  }
+
   static const char* BaselineName(Baseline baseline) {
     switch (baseline) {
       case Baseline::kF32Gemm:
@@ -520,19 +544,23 @@ class RatioReporter : public benchmark::ConsoleReporter {
     return nullptr;
   }
 
-  // Per benchmark name: the run's GFLOPS, or the median over repetitions.
-  std::optional<double> Gflops(const std::string& name) const {
-    const auto it = gflops_.find(name);
-    if (it == gflops_.end()) return std::nullopt;
-    return it->second;
+  // Per Key(): a counter of the run, or its median over repetitions.
+  std::optional<double> Counter(const std::string& key, const std::string& counter) const {
+    const auto it = counters_.find(key);
+    if (it == counters_.end()) return std::nullopt;
+    const auto value = it->second.find(counter);
+    if (value == it->second.end()) return std::nullopt;
+    return value->second.value;
   }
+
+  std::optional<double> Gflops(const std::string& key) const { return Counter(key, kGflops); }
 
   std::optional<double> BaselineGflops(const AttentionCase& c, Baseline baseline) const {
     switch (baseline) {
       case Baseline::kF32Gemm:
-        return Gflops(GemmName(dnnl::memory::data_type::f32));
+        return Gflops(GemmName(/*bf16=*/false));
       case Baseline::kBf16Gemm:
-        return Gflops(GemmName(dnnl::memory::data_type::bf16));
+        return Gflops(GemmName(/*bf16=*/true));
       case Baseline::kFusedF32:
         return Gflops(c.FusedF32Name());
     }
@@ -578,15 +606,16 @@ class RatioReporter : public benchmark::ConsoleReporter {
   }
 
   std::vector<AttentionCase> cases_;
-  std::map<std::string, double> gflops_;
+  int engine_threads_;
+  std::map<std::string, benchmark::UserCounters> counters_;
   std::deque<std::vector<Run>> pending_;
 };
 
 // Registers in run order: the GEMM baselines first (every ratio needs them),
-// then the attention cases.
+// then the attention cases, then the concurrent callers.
 void RegisterBenchmarks(const std::vector<AttentionCase>& cases) {
-  for (dnnl::memory::data_type type : kGemmTypes) {
-    benchmark::RegisterBenchmark(GemmName(type).c_str(), BM_Gemm, type)
+  for (bool bf16 : kGemmBf16) {
+    benchmark::RegisterBenchmark(GemmName(bf16).c_str(), BM_Gemm, bf16)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
@@ -598,6 +627,12 @@ void RegisterBenchmarks(const std::vector<AttentionCase>& cases) {
                               benchmark::State& state) mutable { BM_Attention(state, c, warmed); });
     b->UseRealTime()->Unit(benchmark::kMillisecond);
     if (c.path == Path::kReference) b->Iterations(1)->Repetitions(1);
+  }
+  for (const ConcurrencyCase& c : kConcurrencyCases) {
+    benchmark::RegisterBenchmark(c.Name().c_str(), BM_Concurrent, c)
+        ->Threads(c.callers)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
   }
 }
 
@@ -646,9 +681,11 @@ int Main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(arg_count, arg_pointers.data())) return 1;
   const std::string filter = benchmark::GetBenchmarkFilter();
 
+  int engine_threads = 0;
   if (absl::StatusOr<Engine*> engine = SharedEngine(Backend::kOneDnn); engine.ok()) {
+    engine_threads = (*engine)->threads();
     benchmark::AddCustomContext("onednn_isa", (*engine)->isa());
-    benchmark::AddCustomContext("onednn_threads", absl::StrCat((*engine)->threads()));
+    benchmark::AddCustomContext("onednn_threads", absl::StrCat(engine_threads));
   } else {
     std::cerr << "oneDNN engine unavailable: " << engine.status() << "\n";
   }
@@ -668,7 +705,8 @@ int Main(int argc, char** argv) {
   RegisterBenchmarks(cases);
   benchmark::SetBenchmarkFilter(FilterWithBaselines(filter));
   RatioReporter reporter(
-      isatty(STDOUT_FILENO) ? RatioReporter::OO_ColorTabular : RatioReporter::OO_Tabular, cases);
+      isatty(STDOUT_FILENO) ? RatioReporter::OO_ColorTabular : RatioReporter::OO_Tabular, cases,
+      engine_threads);
   benchmark::RunSpecifiedBenchmarks(&reporter);
   reporter.PrintSummary(std::cout);
   if (memory_check) std::cout << memory_check->Summary() << "\n";
