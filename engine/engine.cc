@@ -163,6 +163,16 @@ absl::Status Engine::Validate(const EngineCall& call) const {
 
 std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatch(
     absl::Span<const EngineCall> calls) const {
+  return Batch(calls, /*on_this_thread=*/false);
+}
+
+std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatchOnThisThread(
+    absl::Span<const EngineCall> calls) const {
+  return Batch(calls, /*on_this_thread=*/true);
+}
+
+std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const EngineCall> calls,
+                                                           bool on_this_thread) const {
   const size_t n = calls.size();
   std::vector<absl::StatusOr<AttentionResult>> results(n);
   std::vector<std::optional<internal::LayerPlan>> plans(n);
@@ -190,7 +200,7 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatch(
       }
     }
   }
-  impl_->RunOnWorker([&] {
+  auto compute = [&] {
     internal::ComputeBackend& backend = *impl_->backend;
     std::vector<internal::LinearJob> jobs;
     for (auto& plan : plans) {
@@ -240,7 +250,12 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatch(
         results[i] = out;
       }
     }
-  });
+  };
+  if (on_this_thread) {
+    compute();
+  } else {
+    impl_->RunOnWorker(compute);
+  }
   return results;
 }
 

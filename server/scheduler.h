@@ -48,8 +48,9 @@ struct SchedulerHooks {
 };
 
 // Dynamic batching with admission control: a bounded FIFO of jobs and one
-// dispatcher thread that packs jobs of the same batch key into one
-// Engine::AttendBatch call, up to the job's max_batch_size, waiting at most
+// dispatcher thread that packs jobs of the same batch key into one engine
+// call, which it computes itself (Engine::AttendBatchOnThisThread: the
+// dispatcher owns the cores), up to the job's max_batch_size, waiting at most
 // its max_queue_delay for others to join. Jobs whose caller left or whose
 // deadline passed are answered without compute. Thread-safe.
 class Scheduler {
