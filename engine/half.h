@@ -16,12 +16,13 @@ inline float BFloat16ToFloat(uint16_t bits) {
   return f;
 }
 
+// Branch-free, so loops over it vectorise.
 inline uint16_t FloatToBFloat16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : (rounded >> 16));
 }
 
 inline float Float16ToFloat(uint16_t h) {

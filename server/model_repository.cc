@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <system_error>
 
 #include "absl/status/status.h"
@@ -11,6 +9,7 @@
 #include "engine/status_macros.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
+#include "server/files.h"
 #include "server/safetensors.h"
 
 namespace attention {
@@ -47,14 +46,6 @@ absl::StatusOr<ScoreKind> ModelScoreKind(v1::Score::Kind kind, const std::string
           " needs parameters a model cannot carry; use SCALED_DOT, DOT, COSINE, NEG_EUCLIDEAN "
           "or GAUSSIAN"));
   }
-}
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
 }
 
 }  // namespace
@@ -111,7 +102,7 @@ absl::StatusOr<Model> LoadModel(const std::string& dir) {
   const std::filesystem::path folder(dir);
   const std::string config_path = (folder / "config.pbtxt").string();
   const std::string weights_path = (folder / "weights.safetensors").string();
-  ATTN_ASSIGN_OR_RETURN(std::string text, ReadFile(config_path));
+  ATTN_ASSIGN_OR_RETURN(std::string text, server::ReadFile(config_path));
   ATTN_ASSIGN_OR_RETURN(v1::ModelConfig config, ParseModelConfig(text, config_path));
   const std::string folder_name = folder.filename().string();
   if (config.name().empty()) config.set_name(folder_name);

@@ -3,14 +3,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/half.h"
+#include "engine/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "server/files.h"
 
 namespace attention {
 namespace {
@@ -148,11 +148,8 @@ absl::StatusOr<StateDict> ParseSafetensors(absl::string_view bytes, const std::s
 }
 
 absl::StatusOr<StateDict> ReadSafetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return ParseSafetensors(contents.str(), path);
+  ATTN_ASSIGN_OR_RETURN(std::string contents, server::ReadFile(path));
+  return ParseSafetensors(contents, path);
 }
 
 }  // namespace attention

@@ -26,6 +26,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/string_ref.h"
+#include "server/files.h"
 
 namespace attention::server {
 namespace {
@@ -37,14 +38,12 @@ constexpr absl::string_view kTokenFlag = "--auth_token_file";
 
 // The whole of `path`; INVALID_ARGUMENT "<flag>: cannot read <path>: <reason>".
 absl::StatusOr<std::string> ReadFlagFile(absl::string_view flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream contents;
-  if (in) contents << in.rdbuf();
-  if (!in || in.bad()) {
+  absl::StatusOr<std::string> contents = ReadFile(path);
+  if (!contents.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": cannot read ", path, ": ", std::strerror(errno)));
+        absl::StrCat(flag, ": cannot read ", contents.status().message()));
   }
-  return contents.str();
+  return contents;
 }
 
 struct BioDeleter {

@@ -43,20 +43,15 @@ std::string WriteGoldenRepository() {
   return repo;
 }
 
+// A server whose repository holds every multihead golden case.
 template <typename Base>
-class ModelServerSuite : public Base {
+class ModelServerSuite : public ServerSuite<Base> {
  protected:
   static void SetUpTestSuite() {
     ServerOptions options;
     options.model_repository = WriteGoldenRepository();
-    absl::StatusOr<std::unique_ptr<TestServer>> started = TestServer::Start(options);
-    ASSERT_TRUE(started.ok()) << started.status();
-    server_ = *std::move(started);
+    ServerSuite<Base>::StartSuiteServer(std::move(options));
   }
-  static void TearDownTestSuite() { server_.reset(); }
-  void SetUp() override { ASSERT_NE(server_, nullptr) << "the suite's server did not start"; }
-  static client::AttentionClient& client() { return server_->client(); }
-  static inline std::unique_ptr<TestServer> server_;
 };
 
 v1::AttendRequest ModelRequest(const GoldenCase& c) {

@@ -48,11 +48,14 @@ class TestServer {
 
 // A fixture base holding one TestServer, with default options, for all tests
 // of its suite. `Base` is ::testing::Test or a ::testing::TestWithParam<T>.
+// A suite that needs other options defines SetUpTestSuite calling
+// StartSuiteServer(options).
 template <typename Base = ::testing::Test>
 class ServerSuite : public Base {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<TestServer>> started = TestServer::Start();
+  static void SetUpTestSuite() { StartSuiteServer({}); }
+  static void StartSuiteServer(ServerOptions options) {
+    absl::StatusOr<std::unique_ptr<TestServer>> started = TestServer::Start(std::move(options));
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
   }
