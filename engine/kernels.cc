@@ -154,6 +154,46 @@ ATTN_CLONES void FromBFloat16(const uint16_t* x, float* y, int64_t n) {
   for (int64_t j = 0; j < n; ++j) y[j] = BFloat16ToFloat(x[j]);
 }
 
+// 16 floats; on AVX-512 one register.
+typedef float Float16x __attribute__((vector_size(64)));
+
+// SmallGemm's core: rows [0, R) of C, columns [0, 16), accumulated in
+// registers (through memory, each += would wait on the store before it).
+template <int R>
+[[gnu::always_inline]] inline void GemmBlock(const float* a, int64_t lda, const float* b,
+                                             int64_t ldb, float* c, int64_t ldc, int64_t k) {
+  Float16x acc[R] = {};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    Float16x bk;
+    std::memcpy(&bk, b + kk * ldb, sizeof bk);
+    for (int r = 0; r < R; ++r) acc[r] += a[r * lda + kk] * bk;
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(c + r * ldc, &acc[r], sizeof acc[r]);
+}
+
+ATTN_CLONES void SmallGemm(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                           int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t kWidth = 16, kRows = 4;
+  const int64_t full = n - n % kWidth;
+  for (int64_t j0 = 0; j0 < full; j0 += kWidth) {
+    int64_t i = 0;
+    for (; i + kRows <= m; i += kRows) {
+      GemmBlock<kRows>(a + i * lda, lda, b + j0, ldb, c + i * ldc + j0, ldc, k);
+    }
+    for (; i < m; ++i) GemmBlock<1>(a + i * lda, lda, b + j0, ldb, c + i * ldc + j0, ldc, k);
+  }
+  if (full == n) return;
+  for (int64_t i = 0; i < m; ++i) {  // the last n % 16 columns
+    const float* ai = a + i * lda;
+    float* ci = c + i * ldc;
+    for (int64_t j = full; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < k; ++kk) acc += ai[kk] * b[kk * ldb + j];
+      ci[j] = acc;
+    }
+  }
+}
+
 ATTN_CLONES float Dot(const float* a, const float* b, int64_t n) {
   float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)

@@ -31,6 +31,11 @@ void ScaleAddBias(float* x, int64_t n, float scale, const float* bias);
 void CosineScale(float* x, int64_t n, float scale, float row_norm, const float* col_norm);
 // x[j] += add[j]
 void Add(float* x, int64_t n, const float* add);
+// C[m x n] = A[m x k] B[k x n], row-major with leading dimensions lda, ldb,
+// ldc; for matmuls so small that a library call costs more than the math.
+// Each element of C sums over k in order, whatever m is.
+void SmallGemm(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+               int64_t m, int64_t n, int64_t k);
 // x[j] = mask[j] ? -inf : x[j]
 void MaskBool(float* x, int64_t n, const uint8_t* mask);
 // x[j] = -inf

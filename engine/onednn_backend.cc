@@ -75,9 +75,9 @@ class MatmulCache {
     const dt in = key.bf16 ? dt::bf16 : dt::f32;
     Matmul mm;
     mm.a = dnnl::memory::desc({key.m, key.k}, in, dnnl::memory::dims{key.lda, 1});
-    mm.b = dnnl::memory::desc({key.k, key.n}, in,
-                              key.b_transposed ? dnnl::memory::dims{1, key.ldb}
-                                               : dnnl::memory::dims{key.ldb, 1});
+    mm.b = dnnl::memory::desc(
+        {key.k, key.n}, in,
+        key.b_transposed ? dnnl::memory::dims{1, key.ldb} : dnnl::memory::dims{key.ldb, 1});
     mm.c = dnnl::memory::desc({key.m, key.n}, dt::f32, dnnl::memory::dims{key.ldc, 1});
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -88,9 +88,9 @@ class MatmulCache {
       attr.set_post_ops(ops);
     }
     if (key.bias) mm.bias = dnnl::memory::desc({1, key.n}, dt::f32, dnnl::memory::dims{key.n, 1});
-    dnnl::matmul::primitive_desc pd(
-        key.bias ? dnnl::matmul::desc(mm.a, mm.b, mm.bias, mm.c) : dnnl::matmul::desc(mm.a, mm.b, mm.c),
-        attr, engine_);
+    dnnl::matmul::primitive_desc pd(key.bias ? dnnl::matmul::desc(mm.a, mm.b, mm.bias, mm.c)
+                                             : dnnl::matmul::desc(mm.a, mm.b, mm.c),
+                                    attr, engine_);
     mm.scratchpad_bytes = pd.scratchpad_desc().get_size();
     mm.primitive = dnnl::matmul(pd);
     return cache_.emplace(key, std::move(mm)).first->second;
@@ -114,10 +114,16 @@ struct ThreadContext {
 
   explicit ThreadContext(const dnnl::engine& e) : engine(e), stream(e) {}
 
-  // Runs one cached matmul; its memory objects are made once per thread
-  // and only re-pointed afterwards.
+  // Runs one matmul: a small float32 one as plain loops, any other as a
+  // cached oneDNN primitive whose memory objects are made once per thread and
+  // only re-pointed afterwards.
   void RunMatmul(MatmulCache& cache, const MatmulKey& key, const void* a, const void* b, float* c,
                  float scale = 1.0f, const float* bias = nullptr) {
+    if (!key.bf16 && key.m * key.n * key.k <= kSmallMatmulVolume) {
+      SmallMatmul(key, static_cast<const float*>(a), static_cast<const float*>(b), c,
+                  key.scaled ? scale : 1.0f, key.bias ? bias : nullptr);
+      return;
+    }
     const Matmul& mm = cache.Get(key);
     auto [it, added] = bound.try_emplace(&mm);
     Bound& bd = it->second;
@@ -125,10 +131,10 @@ struct ThreadContext {
       bd.args[DNNL_ARG_SRC] = dnnl::memory(mm.a, engine, nullptr);
       bd.args[DNNL_ARG_WEIGHTS] = dnnl::memory(mm.b, engine, nullptr);
       bd.args[DNNL_ARG_DST] = dnnl::memory(mm.c, engine, nullptr);
-      bd.args[DNNL_ARG_SCRATCHPAD] = dnnl::memory(
-          dnnl::memory::desc({static_cast<int64_t>(mm.scratchpad_bytes)},
-                             dnnl::memory::data_type::u8, dnnl::memory::dims{1}),
-          engine, nullptr);
+      bd.args[DNNL_ARG_SCRATCHPAD] =
+          dnnl::memory(dnnl::memory::desc({static_cast<int64_t>(mm.scratchpad_bytes)},
+                                          dnnl::memory::data_type::u8, dnnl::memory::dims{1}),
+                       engine, nullptr);
       if (key.scaled) {
         bd.args[DNNL_ARG_ATTR_OUTPUT_SCALES] = dnnl::memory(
             {{1}, dnnl::memory::data_type::f32, dnnl::memory::dims{1}}, engine, &bd.scale);
@@ -145,12 +151,88 @@ struct ThreadContext {
     mm.primitive.execute(stream, bd.args);
   }
 
+  // A oneDNN call costs microseconds however little its work, and attention
+  // over short sequences is made of many tiny matmuls (16 x 16 x 16 for
+  // 4 heads of 16 over 16 tokens): up to this m * n * k they are plain loops.
+  // The choice depends on the shape alone, and a call is split the same way
+  // batched or not, so batching still leaves results bit-identical.
+  static constexpr int64_t kSmallMatmulVolume = 32 * 32 * 32;
+
+  void SmallMatmul(const MatmulKey& key, const float* a, const float* b, float* c, float scale,
+                   const float* bias) {
+    const int64_t m = key.m, n = key.n, k = key.k;
+    int64_t ldb = key.ldb;
+    if (key.b_transposed) {  // B(kk, j) = b[j * ldb + kk]: make it row-major
+      small_b.resize(static_cast<size_t>(k * n));
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t kk = 0; kk < k; ++kk) small_b[kk * n + j] = b[j * ldb + kk];
+      }
+      b = small_b.data();
+      ldb = n;
+    }
+    if (key.accumulate) {
+      small_c.resize(static_cast<size_t>(m * n));
+      SmallGemm(a, key.lda, b, ldb, small_c.data(), n, m, n, k);
+      for (int64_t i = 0; i < m; ++i) {
+        float* row = small_c.data() + i * n;
+        if (scale != 1.0f) Scale(row, n, scale);
+        Add(c + i * key.ldc, n, row);
+      }
+      return;
+    }
+    SmallGemm(a, key.lda, b, ldb, c, key.ldc, m, n, k);
+    if (scale != 1.0f || bias != nullptr) {
+      for (int64_t i = 0; i < m; ++i) ScaleAddBias(c + i * key.ldc, n, scale, bias);
+    }
+  }
+
+  std::vector<float> small_b, small_c;
+
   struct Bound {
     std::unordered_map<int, dnnl::memory> args;
     float scale = 1.0f;
   };
   // std::map: Bound::scale's address must not move.
   std::map<const Matmul*, Bound> bound;
+};
+
+// One ThreadContext per OpenMP thread of a pass, kept from pass to pass: made
+// afresh, each pass would recreate its oneDNN stream and memory objects and
+// regrow its buffers, which for a small call costs more than the math.
+// Concurrent passes (callers of Engine::Attend beside the scheduler) each
+// take their own team. Thread-safe.
+class ThreadContextPool {
+ public:
+  using Team = std::vector<std::unique_ptr<ThreadContext>>;
+
+  explicit ThreadContextPool(const dnnl::engine& engine) : engine_(engine) {}
+
+  // A team of at least `threads` contexts, returned by Release.
+  std::unique_ptr<Team> Acquire(int threads) {
+    std::unique_ptr<Team> team;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!free_.empty()) {
+        team = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (team == nullptr) team = std::make_unique<Team>();
+    while (static_cast<int>(team->size()) < threads) {
+      team->push_back(std::make_unique<ThreadContext>(engine_));
+    }
+    return team;
+  }
+
+  void Release(std::unique_ptr<Team> team) {
+    absl::MutexLock lock(&mu_);
+    free_.push_back(std::move(team));
+  }
+
+ private:
+  dnnl::engine engine_;
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<Team>> free_ ABSL_GUARDED_BY(mu_);
 };
 
 // ---------------------------------------------------------------------------
@@ -191,7 +273,8 @@ class Storage {
         const auto* in = static_cast<const uint16_t*>(v.data);
         constexpr int64_t kChunk = 1 << 16;
 #pragma omp parallel for schedule(static)
-        for (int64_t c = 0; c < n; c += kChunk) FromBFloat16(in + c, out + c, std::min(kChunk, n - c));
+        for (int64_t c = 0; c < n; c += kChunk)
+          FromBFloat16(in + c, out + c, std::min(kChunk, n - c));
       } else {
         const std::vector<float> loaded = LoadFloats(v);
         std::copy(loaded.begin(), loaded.end(), out);
@@ -250,7 +333,8 @@ struct Masks {
   int64_t RowLimit(int64_t b, int64_t i) const {
     int64_t limit = masked_keys;
     if (causal != Causal::kNone) limit = std::min(limit, i + causal_offset + 1);
-    if (!lens.empty()) limit = std::min(limit, lens[b * lens_batch_stride + (lens_per_row ? i : 0)]);
+    if (!lens.empty())
+      limit = std::min(limit, lens[b * lens_batch_stride + (lens_per_row ? i : 0)]);
     return std::max<int64_t>(limit, 0);
   }
 
@@ -333,8 +417,8 @@ struct Problem {
   bool gemm_scores = true;  // scores by matmul (else by the direct loops below)
   bool bf16 = false;        // matmuls in bf16
   float scale = 1.0f;
-  Operand q, k, v;          // matmul operands (q may be derived: bilinear)
-  Operand qf, kf;           // float32 q and k for direct scores
+  Operand q, k, v;                  // matmul operands (q may be derived: bilinear)
+  Operand qf, kf;                   // float32 q and k for direct scores
   const float* row_norm = nullptr;  // cosine: |q| per (b, h, i), [B, H, L]
   const float* col_norm = nullptr;  // cosine: |k| per (b, hk, j), [Bk, Hk, S]
   const float* key_bias = nullptr;  // gaussian: -bw^2/2 |k|^2 per (b, hk, j)
@@ -379,8 +463,8 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
   const TensorView& vv = a.value.present() ? a.value : kv;
   p.key_batches = BatchOf(kv, a, s.rank4);
   p.gemm_scores = p.kind != ScoreKind::kAdditive && p.kind != ScoreKind::kNegEuclidean;
-  const bool bf16_input = qv.dtype == DType::kBFloat16 || kv.dtype == DType::kBFloat16 ||
-                          vv.dtype == DType::kBFloat16;
+  const bool bf16_input =
+      qv.dtype == DType::kBFloat16 || kv.dtype == DType::kBFloat16 || vv.dtype == DType::kBFloat16;
   // Gaussian scores are bw^2 q.k - bw^2/2 |k|^2: bf16 rounding of q and k
   // (relative 2^-9) is multiplied by bw^2 |q||k| before the terms cancel, so
   // they keep float32 matmuls.
@@ -512,9 +596,10 @@ void Scores(const Problem& p, MatmulCache& cache, ThreadContext& t, int64_t b, i
     const int64_t i = i0 + r;
     switch (p.kind) {
       case ScoreKind::kCosine:
-        CosineScale(row, n, p.scale,
-                    p.row_norm[((p.query_batches == 1 ? 0 : b) * p.s.heads + h) * p.s.query_len + i],
-                    p.col_norm + (bk * p.s.kv_heads + hk) * S + j0);
+        CosineScale(
+            row, n, p.scale,
+            p.row_norm[((p.query_batches == 1 ? 0 : b) * p.s.heads + h) * p.s.query_len + i],
+            p.col_norm + (bk * p.s.kv_heads + hk) * S + j0);
         break;
       case ScoreKind::kGaussian:
         ScaleAddBias(row, n, p.scale, p.key_bias + (bk * p.s.kv_heads + hk) * S + j0);
@@ -522,7 +607,8 @@ void Scores(const Problem& p, MatmulCache& cache, ThreadContext& t, int64_t b, i
       case ScoreKind::kNegEuclidean: {
         const float* q = p.qf.RowF(b, h, i);
         for (int64_t j = 0; j < n; ++j) {
-          row[j] = -p.scale * std::sqrt(SquaredDistance(q, p.kf.RowF(b, hk, j0 + j), p.s.query_dim));
+          row[j] =
+              -p.scale * std::sqrt(SquaredDistance(q, p.kf.RowF(b, hk, j0 + j), p.s.query_dim));
         }
         break;
       }
@@ -619,14 +705,14 @@ void WeightsBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, Attent
   // matmul; rounded up to whole key blocks so few shape classes arise.
   int64_t reach = 0;
   for (int64_t r = 0; r < m; ++r) reach = std::max(reach, p.masks.RowLimit(b, i0 + r));
-  const int64_t computed = p.masks.masked_keys < S
-                               ? S
-                               : std::min(S, (reach + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
+  const int64_t computed =
+      p.masks.masked_keys < S ? S : std::min(S, (reach + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
   for (int64_t j0 = 0; j0 < computed; j0 += kKeyBlock) {
     Scores(p, cache, t, b, h, i0, m, j0, std::min(kKeyBlock, computed - j0), weights + j0, S);
   }
   if (computed < S) {
-    for (int64_t r = 0; r < m; ++r) std::fill(weights + r * S + computed, weights + (r + 1) * S, 0.0f);
+    for (int64_t r = 0; r < m; ++r)
+      std::fill(weights + r * S + computed, weights + (r + 1) * S, 0.0f);
   }
   if (computed == 0) {  // every key masked for every row: zero output, no matmul
     for (int64_t r = 0; r < m; ++r) std::fill_n(OutRow(p, result, b, h, i0 + r), Dv, 0.0f);
@@ -652,7 +738,7 @@ void WeightsBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, Attent
     }
     probs = t.probs.data();
   }
-  const MatmulKey key{m,    Dv,     computed, p.bf16 ? computed : S, p.v.ld(), p.out_ix.pos_stride,
+  const MatmulKey key{m,     Dv,     computed, p.bf16 ? computed : S, p.v.ld(), p.out_ix.pos_stride,
                       false, p.bf16, false};
   t.RunMatmul(cache, key, probs, p.v.Row(b, hk, 0), OutRow(p, result, b, h, i0));
 }
@@ -683,7 +769,10 @@ std::string IsaName(dnnl::cpu_isa isa) {
 class OneDnnBackend final : public ComputeBackend {
  public:
   explicit OneDnnBackend(int threads)
-      : threads_(threads), engine_(dnnl::engine::kind::cpu, 0), cache_(engine_) {
+      : threads_(threads),
+        engine_(dnnl::engine::kind::cpu, 0),
+        cache_(engine_),
+        contexts_(engine_) {
     const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
     isa_ = IsaName(isa);
     cpu_bf16_ = isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
@@ -697,7 +786,8 @@ class OneDnnBackend final : public ComputeBackend {
       flops += 2.0 * sh.batch * sh.heads * sh.query_len * sh.key_len *
                static_cast<double>(sh.query_dim + sh.value_dim);
     }
-    omp_set_num_threads(ThreadsFor(flops));
+    const int threads = ThreadsFor(flops);
+    omp_set_num_threads(threads);
     const size_t n = calls.size();
     std::vector<absl::StatusOr<AttentionResult>> results(n);
     std::deque<Storage> storages(n);
@@ -720,9 +810,10 @@ class OneDnnBackend final : public ComputeBackend {
       for (int64_t i = 0; i < layouts[c].items; ++i) items.push_back({c, i});
     }
     const int64_t total = static_cast<int64_t>(items.size());
+    std::unique_ptr<ThreadContextPool::Team> team = contexts_.Acquire(threads);
 #pragma omp parallel
     {
-      ThreadContext t(engine_);
+      ThreadContext& t = *(*team)[omp_get_thread_num()];
       std::vector<float> head_weights;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t k = 0; k < total; ++k) {
@@ -737,6 +828,7 @@ class OneDnnBackend final : public ComputeBackend {
         }
       }
     }
+    contexts_.Release(std::move(team));
     return results;
   }
 
@@ -751,12 +843,14 @@ class OneDnnBackend final : public ComputeBackend {
       for (int64_t r = 0; r < j.rows; r += kLinearRows) items.push_back({&j, r});
       flops += 2.0 * j.rows * j.in * static_cast<double>(j.out);
     }
-    omp_set_num_threads(ThreadsFor(flops));
+    const int threads = ThreadsFor(flops);
+    omp_set_num_threads(threads);
     const int64_t total = static_cast<int64_t>(items.size());
     absl::Status first_error;
+    std::unique_ptr<ThreadContextPool::Team> team = contexts_.Acquire(threads);
 #pragma omp parallel
     {
-      ThreadContext t(engine_);
+      ThreadContext& t = *(*team)[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
       for (int64_t k = 0; k < total; ++k) {
         const LinearJob& j = *items[k].job;
@@ -772,6 +866,7 @@ class OneDnnBackend final : public ComputeBackend {
         }
       }
     }
+    contexts_.Release(std::move(team));
     return first_error;
   }
 
@@ -782,11 +877,13 @@ class OneDnnBackend final : public ComputeBackend {
   // Rows per projection matmul: fixed, so a call's rows are split the same
   // way whether or not it is batched.
   static constexpr int64_t kLinearRows = 256;
-  // Below this much work (about 50 us on one core) a pass runs on the compute
-  // thread alone: forking and joining OpenMP threads costs more than it saves,
-  // and on a machine whose cores also run gRPC an idle team member's wake-up
-  // can take milliseconds. Work items, and so results, are the same either way.
-  static constexpr double kParallelFlops = 4e6;
+  // Below this much work (about 0.3 ms on one core) a pass runs on the
+  // compute thread alone. A pass ends when its slowest thread does, and on a
+  // machine whose cores also run gRPC a team member can wait milliseconds to
+  // be scheduled: a batch of 26 small calls took 13 ms on 2 threads while the
+  // other core was busy, 0.8 ms on one. Work items, and so results, are the
+  // same either way.
+  static constexpr double kParallelFlops = 3e7;
 
   // OpenMP threads for a pass of `flops`: oneDNN reads the same setting, so a
   // small pass runs single-threaded all the way down.
@@ -830,8 +927,8 @@ class OneDnnBackend final : public ComputeBackend {
     p.out_ix = MakeHeadIndexer(out_view, a.layout, s.rank4, H, Dv);
     result.output.data.resize(static_cast<size_t>(B * H * L * Dv));
     if (a.need_weights) {
-      result.weights.shape = a.average_weights ? std::vector<int64_t>{B, L, S}
-                                               : std::vector<int64_t>{B, H, L, S};
+      result.weights.shape =
+          a.average_weights ? std::vector<int64_t>{B, L, S} : std::vector<int64_t>{B, H, L, S};
       result.weights.data.resize(static_cast<size_t>(B * (a.average_weights ? 1 : H) * L * S));
     }
     layout.blocks = (L + kQueryBlock - 1) / kQueryBlock;
@@ -868,6 +965,7 @@ class OneDnnBackend final : public ComputeBackend {
   int threads_;
   dnnl::engine engine_;
   MatmulCache cache_;
+  ThreadContextPool contexts_;
   std::string isa_;
   bool cpu_bf16_ = false;
 };
