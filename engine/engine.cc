@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "engine/backend.h"
 #include "engine/internal.h"
+#include "engine/multihead.h"
 #include "engine/multihead_plan.h"
 #include "engine/reference.h"
 #include "engine/status_macros.h"
@@ -155,10 +156,20 @@ absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const 
   return std::move(AttendBatch({&call, 1}).front());
 }
 
-absl::Status Engine::Validate(const EngineCall& call) const {
-  if (call.layer != nullptr) return internal::PlanLayer(*call.layer, *call.args).status();
+absl::StatusOr<double> Engine::Validate(const EngineCall& call) const {
+  if (call.layer != nullptr) {
+    ATTN_ASSIGN_OR_RETURN(internal::LayerPlan plan, internal::PlanLayer(*call.layer, *call.args));
+    const MultiheadConfig& c = call.layer->config();
+    const double e = static_cast<double>(c.embed_dim);
+    const double kdim = c.kdim > 0 ? c.kdim : e, vdim = c.vdim > 0 ? c.vdim : e;
+    const double projections =
+        2.0 * plan.q_rows * e * e * 2 + 2.0 * plan.kv_rows * (kdim + vdim) * e;
+    return projections + 2.0 * plan.q_rows * plan.kv_len * 2 * e;
+  }
   ATTN_ASSIGN_OR_RETURN(AttentionShape shape, ResolveShape(*call.args));
-  return CheckLimits(*call.args, shape, options_);
+  ATTN_RETURN_IF_ERROR(CheckLimits(*call.args, shape, options_));
+  return 2.0 * shape.batch * shape.heads * shape.query_len * shape.key_len *
+         static_cast<double>(shape.query_dim + shape.value_dim);
 }
 
 std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatch(

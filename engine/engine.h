@@ -55,7 +55,9 @@ class Engine {
   // The checks Attend / AttendBatch make before any work, without the work:
   // the same INVALID_ARGUMENT / RESOURCE_EXHAUSTED errors. Masks of a layer
   // call are checked once its projections exist, so only by AttendBatch.
-  absl::Status Validate(const EngineCall& call) const;
+  // Returns roughly how many floating-point operations the call's matmuls
+  // take, by which a scheduler can tell a small call from a large one.
+  absl::StatusOr<double> Validate(const EngineCall& call) const;
 
   // Runs several calls as one engine call (dynamic batching): they share each
   // pass over the compute threads, while every call is split into work exactly

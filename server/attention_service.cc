@@ -9,9 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "spdlog/spdlog.h"
 #include "engine/status_macros.h"
 #include "server/convert.h"
+#include "server/response_encoder.h"
+#include "spdlog/spdlog.h"
 
 #ifndef ATTENTION_VERSION
 #error "ATTENTION_VERSION must be defined by the build"
@@ -20,6 +21,21 @@
 namespace attention::server {
 namespace {
 
+// Calls up to this much work (about 20 us on one core) compute on the gRPC
+// thread that received them when the engine is idle (Job::inline_when_idle):
+// for them the hand-offs to the scheduler's thread and back cost more than
+// the math, and a gRPC thread is never held for long.
+constexpr double kInlineMaxFlops = 1e6;
+
+// Every field of the answer to `request` but its tensors.
+v1::AttendResponse ResponseHead(const v1::AttendRequest& request, const JobTiming& timing) {
+  v1::AttendResponse head;
+  head.set_id(request.id());
+  head.set_queue_us(timing.queue_us);
+  head.set_compute_us(timing.compute_us);
+  head.set_batch_size(timing.batch_size);
+  return head;
+}
 
 }  // namespace
 
@@ -45,10 +61,10 @@ void AttentionServiceImpl::Record(absl::string_view method, absl::string_view mo
   }
   if (!spdlog::should_log(spdlog::level::debug)) return;
   spdlog::debug("{} model={} code={} total_us={} queue_us={} compute_us={} batch={}{}{}",
-                std::string(method),
-                model.empty() ? "-" : std::string(model), static_cast<int>(status.error_code()),
-                static_cast<int64_t>(total * 1e6), timing ? timing->queue_us : 0,
-                timing ? timing->compute_us : 0, timing ? timing->batch_size : 0,
+                std::string(method), model.empty() ? "-" : std::string(model),
+                static_cast<int>(status.error_code()), static_cast<int64_t>(total * 1e6),
+                timing ? timing->queue_us : 0, timing ? timing->compute_us : 0,
+                timing ? timing->batch_size : 0,
                 status.ok() ? "" : " error=", status.error_message());
 }
 
@@ -92,8 +108,9 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
   ATTN_ASSIGN_OR_RETURN(job.request, ToEngineRequest(request));
   AttentionArgs& args = job.request->args;
   // Refused before admission: a bad request takes no queue slot.
-  ATTN_RETURN_IF_ERROR(
-      engine_->Validate({&args, job.model ? job.model->layer.get() : nullptr}));
+  ATTN_ASSIGN_OR_RETURN(const double flops,
+                        engine_->Validate({&args, job.model ? job.model->layer.get() : nullptr}));
+  job.inline_when_idle = flops <= kInlineMaxFlops;
   job.max_batch_size = options_.max_batch_size;
   job.max_queue_delay = absl::Microseconds(options_.max_queue_delay_us);
   if (job.model != nullptr) {
@@ -116,10 +133,14 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
-                                                       const v1::AttendRequest* request,
-                                                       v1::AttendResponse* response) {
+                                                       const grpc::ByteBuffer* request_bytes,
+                                                       grpc::ByteBuffer* response) {
   const absl::Time start = absl::Now();
+  // Shared with the job's `done`, which outlives this call: the job's views
+  // point into it.
+  auto request = std::make_shared<v1::AttendRequest>();
   absl::Status admitted = Authenticate(*context);
+  if (admitted.ok()) admitted = ParseMessage(*request_bytes, request.get());
   absl::StatusOr<Job> job = admitted.ok() ? MakeJob(*context, *request) : admitted;
   if (!job.ok()) return FinishUnary(context, "Attend", request->model(), start, job.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -129,7 +150,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   job->done = [this, request, response, reactor, output_dtype, start](
                   absl::StatusOr<AttentionResult> result, const JobTiming& timing) {
     absl::Status status = result.status();
-    if (status.ok()) status = FillResponse(*request, *result, output_dtype, timing, response);
+    if (status.ok()) {
+      absl::StatusOr<grpc::ByteBuffer> encoded =
+          EncodeResponse(ResponseHead(*request, timing), *std::move(result),
+                         request->need_weights(), output_dtype);
+      if (encoded.ok()) {
+        response->Swap(&*encoded);
+      } else {
+        status = encoded.status();
+      }
+    }
     const grpc::Status wire = ToGrpcStatus(status);
     Record("Attend", request->model(), wire, start, &timing);
     metrics_->AddInFlight(-1);
@@ -145,7 +175,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
 // One AttendStream call. Reads, job completions and writes arrive on
 // different threads; mu_ orders them. Deletes itself in OnDone.
 class AttentionServiceImpl::StreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
@@ -159,41 +189,56 @@ class AttentionServiceImpl::StreamReactor final
   }
 
   void OnReadDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    reading_ = false;
-    if (!ok) {  // the caller half-closed, or the call is over
-      reads_done_ = true;
-      MaybeFinishLocked();
-      return;
+    // Shared with the job's `done`: the job's views point into it.
+    auto request = std::make_shared<v1::AttendRequest>();
+    absl::Status parsed;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (!ok) {  // the caller half-closed, or the call is over
+        reads_done_ = true;
+        MaybeFinishLocked();
+        return;
+      }
+      ++in_flight_;
+      parsed = ParseMessage(next_, request.get());
+      next_.Clear();
     }
-    std::shared_ptr<v1::AttendRequest> request = std::move(next_);
-    ++in_flight_;
+    // Unlocked from here: a small job may compute, and answer, within Submit.
     service_->metrics_->AddInFlight(1);
     const absl::Time start = absl::Now();
-    absl::StatusOr<Job> job = service_->MakeJob(*context_, *request);
+    absl::StatusOr<Job> job = parsed.ok() ? service_->MakeJob(*context_, *request) : parsed;
+    absl::Status refused;
     if (job.ok()) {
       const v1::Tensor::DType output_dtype = job->request->output_dtype;
       job->cancelled = [this] { return cancelled_.load(); };
       job->done = [this, request, output_dtype, start](absl::StatusOr<AttentionResult> result,
                                                        const JobTiming& timing) {
-        v1::AttendResponse response;
-        absl::Status status = result.status();
-        if (status.ok()) status = FillResponse(*request, *result, output_dtype, timing, &response);
-        service_->Record("AttendStream", request->model(), ToGrpcStatus(status), start, &timing);
+        absl::StatusOr<grpc::ByteBuffer> answer = absl::UnknownError("unset");
+        if (result.ok()) {
+          v1::AttendResponse head = ResponseHead(*request, timing);
+          head.mutable_status()->set_code(0);
+          answer = EncodeResponse(head, *std::move(result), request->need_weights(), output_dtype);
+        } else {
+          answer = result.status();
+        }
+        service_->Record("AttendStream", request->model(), ToGrpcStatus(answer.status()), start,
+                         &timing);
         absl::MutexLock lock(&mu_);
-        AnswerLocked(*request, status, std::move(response));
+        AnswerLocked(*request, std::move(answer));
       };
-      // The job's views point into *request, which the job's `done` keeps alive.
-      absl::Status queued = service_->scheduler_->Submit(*std::move(job));
-      if (!queued.ok()) {
-        service_->Record("AttendStream", request->model(), ToGrpcStatus(queued), start, nullptr);
-        AnswerLocked(*request, queued, {});
-      }
+      refused = service_->scheduler_->Submit(*std::move(job));
     } else {
-      service_->Record("AttendStream", request->model(), ToGrpcStatus(job.status()), start, nullptr);
-      AnswerLocked(*request, job.status(), {});
+      refused = job.status();
     }
-    if (in_flight_ < kMaxStreamInFlight) ReadNextLocked();
+    absl::MutexLock lock(&mu_);
+    if (!refused.ok()) {
+      service_->Record("AttendStream", request->model(), ToGrpcStatus(refused), start, nullptr);
+      AnswerLocked(*request, refused);
+    }
+    if (!reading_ && !reads_done_ && !cancelled_ && !finished_ && in_flight_ < kMaxStreamInFlight) {
+      ReadNextLocked();
+    }
   }
 
   void OnWriteDone(bool ok) override {
@@ -221,30 +266,29 @@ class AttentionServiceImpl::StreamReactor final
 
  private:
   void ReadNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    next_ = std::make_shared<v1::AttendRequest>();
     reading_ = true;
-    StartRead(next_.get());
+    StartRead(&next_);
   }
 
-  // Queues the answer to `request`: the response, or its error in `status`.
-  void AnswerLocked(const v1::AttendRequest& request, const absl::Status& status,
-                    v1::AttendResponse response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Queues the answer to `request`: the encoded response, or an answer
+  // carrying the error.
+  void AnswerLocked(const v1::AttendRequest& request, absl::StatusOr<grpc::ByteBuffer> answer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     service_->metrics_->AddInFlight(-1);
     if (cancelled_) {
       --in_flight_;
       MaybeFinishLocked();
       return;
     }
-    if (!status.ok()) {
-      response.Clear();
+    if (!answer.ok()) {
+      v1::AttendResponse response;
       response.set_id(request.id());
-      const grpc::Status wire = ToGrpcStatus(status);
+      const grpc::Status wire = ToGrpcStatus(answer.status());
       response.mutable_status()->set_code(wire.error_code());
       response.mutable_status()->set_message(wire.error_message());
-    } else {
-      response.mutable_status()->set_code(0);
+      answer = SerializeMessage(response);
     }
-    writes_.push_back(std::move(response));
+    writes_.push_back(*std::move(answer));
     WriteNextLocked();
   }
 
@@ -271,16 +315,16 @@ class AttentionServiceImpl::StreamReactor final
   grpc::CallbackServerContext* const context_;
   std::atomic<bool> cancelled_{false};
   absl::Mutex mu_;
-  std::shared_ptr<v1::AttendRequest> next_ ABSL_GUARDED_BY(mu_);
-  std::deque<v1::AttendResponse> writes_ ABSL_GUARDED_BY(mu_);  // front is being written
-  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // read, not yet written (or dropped)
+  grpc::ByteBuffer next_ ABSL_GUARDED_BY(mu_);                // being read
+  std::deque<grpc::ByteBuffer> writes_ ABSL_GUARDED_BY(mu_);  // front is being written
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;                    // read, not yet written (or dropped)
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionServiceImpl::AttendStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* context) {
   return new StreamReactor(this, context);
 }

@@ -6,8 +6,9 @@
 #include "absl/status/status.h"
 #include "attention/v1/service.grpc.pb.h"
 #include "engine/engine.h"
-#include "server/model_repository.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "server/metrics.h"
+#include "server/model_repository.h"
 #include "server/scheduler.h"
 #include "server/security.h"
 
@@ -21,11 +22,20 @@ struct ServiceOptions {
   int64_t max_queue_delay_us = 0;
 };
 
+// Attend and AttendStream take and give raw bytes: requests are parsed by
+// protobuf as usual, but answers are encoded by server/response_encoder.h,
+// whose messages carry the engine's output buffers without a copy.
+using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
+    v1::AttentionService::WithRawCallbackMethod_AttendStream<
+        v1::AttentionService::WithCallbackMethod_GetServerInfo<
+            v1::AttentionService::WithCallbackMethod_ListModels<
+                v1::AttentionService::WithCallbackMethod_GetModel<
+                    v1::AttentionService::Service>>>>>;
+
 // attention.v1.AttentionService on gRPC's callback API: converts requests
 // (server/convert.h) and hands them to the scheduler, which batches them
-// onto the engine; gRPC's threads never wait for compute. AttendStream is
-// Thread-safe.
-class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+// onto the engine; gRPC's threads never wait for compute. Thread-safe.
+class AttentionServiceImpl final : public AttentionServiceBase {
  public:
   // Every pointer must outlive the service; `auth` may be null (no auth).
   // Each call is counted in `metrics`; calls failing `auth` get UNAUTHENTICATED.
@@ -38,15 +48,16 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // With `model` set, runs that registered layer (NOT_FOUND when unknown).
   // DEADLINE_EXCEEDED / CANCELLED when the call is over before compute starts;
   // otherwise the conversion's and the engine's errors.
+  // `request` and `response` are a serialized AttendRequest and AttendResponse.
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   // Each request becomes a job like Attend's; answers carry the request's id
   // and come in completion order; a bad request is answered with its status
   // and the stream goes on. At most kMaxStreamInFlight requests per stream are
   // unanswered at once: past that the server stops reading, so a caller that
   // stops reading cannot make it buffer without bound.
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,

@@ -8,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "engine/half.h"
 #include "engine/status_macros.h"
 
 namespace attention::server {
@@ -179,42 +178,6 @@ absl::StatusOr<std::unique_ptr<EngineRequest>> ToEngineRequest(const v1::AttendR
   a.seed = r.seed();
   a.fast = r.precision() == v1::AttendRequest::FAST;
   return req;
-}
-
-absl::Status ToWireTensor(const Tensor& t, v1::Tensor::DType dtype, v1::Tensor* out) {
-  ATTN_RETURN_IF_ERROR(CheckOutputDType(dtype));
-  out->set_dtype(dtype);
-  out->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-  std::string* bytes = out->mutable_data();
-  if (dtype == v1::Tensor::FLOAT32) {
-    bytes->resize(t.data.size() * sizeof(float));
-    std::memcpy(bytes->data(), t.data.data(), bytes->size());
-    return absl::OkStatus();
-  }
-  uint16_t (*const convert)(float) =
-      dtype == v1::Tensor::BFLOAT16 ? &FloatToBFloat16 : &FloatToFloat16;
-  bytes->resize(t.data.size() * sizeof(uint16_t));
-  char* dst = bytes->data();
-  for (const float f : t.data) {
-    const uint16_t bits = convert(f);
-    std::memcpy(dst, &bits, sizeof bits);
-    dst += sizeof bits;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status FillResponse(const v1::AttendRequest& request, const AttentionResult& result,
-                          v1::Tensor::DType output_dtype, const JobTimingFields& timing,
-                          v1::AttendResponse* response) {
-  response->set_id(request.id());
-  ATTN_RETURN_IF_ERROR(ToWireTensor(result.output, output_dtype, response->mutable_output()));
-  if (request.need_weights()) {
-    ATTN_RETURN_IF_ERROR(ToWireTensor(result.weights, output_dtype, response->mutable_weights()));
-  }
-  response->set_queue_us(timing.queue_us);
-  response->set_compute_us(timing.compute_us);
-  response->set_batch_size(timing.batch_size);
-  return absl::OkStatus();
 }
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {

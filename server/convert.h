@@ -46,16 +46,6 @@ struct EngineRequest {
 // the caller; shapes and byte counts are the engine's to check.
 absl::StatusOr<std::unique_ptr<EngineRequest>> ToEngineRequest(const v1::AttendRequest& r);
 
-// Writes float32 `t` into `out` as `dtype` (FLOAT32, BFLOAT16 or FLOAT16) in
-// `data`. INVALID_ARGUMENT for any other dtype.
-absl::Status ToWireTensor(const Tensor& t, v1::Tensor::DType dtype, v1::Tensor* out);
-
-// Fills `response` for `request` from the engine's result: id, output and,
-// when asked, weights as `output_dtype`, and the timings.
-absl::Status FillResponse(const v1::AttendRequest& request, const AttentionResult& result,
-                          v1::Tensor::DType output_dtype, const JobTimingFields& timing,
-                          v1::AttendResponse* response);
-
 // Same code (absl and gRPC share the numbers) and message, the message clipped
 // to 1 KiB (it still starts with the field it names).
 grpc::Status ToGrpcStatus(const absl::Status& status);

@@ -23,6 +23,7 @@ Scheduler::~Scheduler() {
 
 absl::Status Scheduler::Submit(Job job) {
   int64_t depth;
+  bool run_here = false;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("server is shutting down");
@@ -32,11 +33,23 @@ absl::Status Scheduler::Submit(Job job) {
           max_queue_, "); retry with backoff"));
     }
     job.enqueued = absl::Now();
-    ++queued_per_key_[job.batch_key];
-    queue_.push_back(std::move(job));
+    if (job.inline_when_idle && !computing_ && queue_.empty()) {
+      computing_ = true;
+      run_here = true;
+    } else {
+      ++queued_per_key_[job.batch_key];
+      queue_.push_back(std::move(job));
+    }
     depth = static_cast<int64_t>(queue_.size());
   }
   if (hooks_.queue_depth) hooks_.queue_depth(depth);
+  if (run_here) {
+    std::deque<Job> batch;
+    batch.push_back(std::move(job));
+    Run(batch);
+    absl::MutexLock lock(&mu_);
+    computing_ = false;  // the dispatcher takes whatever queued meanwhile
+  }
   return absl::OkStatus();
 }
 
@@ -53,7 +66,7 @@ void Scheduler::Loop() {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](Scheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-            return s->stopping_ || !s->queue_.empty();
+            return !s->computing_ && (s->stopping_ || !s->queue_.empty());
           },
           this));
       if (queue_.empty()) return;  // stopping, and nothing left to run
@@ -85,9 +98,12 @@ void Scheduler::Loop() {
         queued_per_key_.erase(key);
       }
       depth = static_cast<int64_t>(queue_.size());
+      computing_ = true;
     }
     if (hooks_.queue_depth) hooks_.queue_depth(depth);
     Run(batch);
+    absl::MutexLock lock(&mu_);
+    computing_ = false;
   }
 }
 

@@ -30,10 +30,16 @@ struct Job {
   std::string batch_key;
   int32_t max_batch_size = 1;
   absl::Duration max_queue_delay;
+  // A small job (tens of microseconds of compute): when the engine is idle
+  // and nothing is queued, Submit computes it on the calling thread, which
+  // saves the two thread hand-offs to the dispatcher and back that would
+  // otherwise cost more than its compute.
+  bool inline_when_idle = false;
   absl::Time deadline = absl::InfiniteFuture();
   // True once the caller is gone; may be empty.
   std::function<bool()> cancelled;
-  // Called exactly once, on the scheduler's thread: the result, or
+  // Called exactly once, on the scheduler's thread (or in Submit, see
+  // inline_when_idle): the result, or
   // CANCELLED / DEADLINE_EXCEEDED when the caller left before compute began.
   std::function<void(absl::StatusOr<AttentionResult>, const JobTiming&)> done;
 
@@ -52,7 +58,9 @@ struct SchedulerHooks {
 // call, which it computes itself (Engine::AttendBatchOnThisThread: the
 // dispatcher owns the cores), up to the job's max_batch_size, waiting at most
 // its max_queue_delay for others to join. Jobs whose caller left or whose
-// deadline passed are answered without compute. Thread-safe.
+// deadline passed are answered without compute. One batch computes at a
+// time, on the dispatcher or, for an inline_when_idle job, on the thread that
+// submits it. Thread-safe.
 class Scheduler {
  public:
   // `engine` must outlive the scheduler. Starts the dispatcher thread.
@@ -62,8 +70,9 @@ class Scheduler {
   // Runs every job still queued, then stops.
   ~Scheduler();
 
-  // Queues `job`. RESOURCE_EXHAUSTED (with the numbers) when the queue is
-  // full; `done` is then never called.
+  // Queues `job`, or computes it before returning (inline_when_idle).
+  // RESOURCE_EXHAUSTED (with the numbers) when the queue is full; `done` is
+  // then never called.
   absl::Status Submit(Job job);
 
   int64_t queue_depth() const;
@@ -80,6 +89,7 @@ class Scheduler {
   std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> queued_per_key_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool computing_ ABSL_GUARDED_BY(mu_) = false;  // a batch is running
   std::thread dispatcher_;
 };
 

@@ -28,7 +28,10 @@ struct ServerOptions {
   // batch size and delay).
   int64_t max_queue = 1024;          // requests waiting for compute; more: RESOURCE_EXHAUSTED
   int32_t max_batch_size = 32;       // requests per engine call; 1 turns batching off
-  int64_t max_queue_delay_us = 500;  // longest a request waits for others to join its batch
+  // Longest a request waits for others to join its batch. 0: a batch is
+  // whatever queued while the engine was busy with the one before, so an
+  // idle engine never waits.
+  int64_t max_queue_delay_us = 0;
 
   // TLS: server certificate and key (PEM files); both empty serves plaintext.
   // With client_ca_file, clients must present a certificate it signed (mTLS).

@@ -156,5 +156,40 @@ TEST_F(SchedulerTest, QueuedJobsOfOneKeyShareAnEngineCallWithUnbatchedResults) {
   EXPECT_EQ(outcomes[5].timing.batch_size, 2);
 }
 
+TEST_F(SchedulerTest, AnIdleSchedulerComputesASmallJobOnTheSubmittingThread) {
+  Scheduler scheduler(engine_.get(), 8);
+  Outcome out;
+  std::thread::id ran_on;
+  Job job = MakeJob(&out);
+  job.inline_when_idle = true;
+  job.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming& t) {
+    ran_on = std::this_thread::get_id();
+    out.result = std::move(r);
+    out.timing = t;
+    out.done.Notify();
+  };
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  ASSERT_TRUE(out.done.HasBeenNotified());  // answered before Submit returned
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_THAT(out.result, testing::IsOk());
+  EXPECT_EQ(out.timing.batch_size, 1);
+}
+
+TEST_F(SchedulerTest, ASmallJobWaitsItsTurnWhileTheEngineIsBusy) {
+  Scheduler scheduler(engine_.get(), 8);
+  Outcome blocked, small;
+  absl::Notification started, release;
+  ASSERT_THAT(scheduler.Submit(Blocker(&blocked, &started, &release)), testing::IsOk());
+  started.WaitForNotification();
+  Job job = MakeJob(&small);
+  job.inline_when_idle = true;
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  EXPECT_FALSE(small.done.HasBeenNotified());  // queued behind the running batch
+  EXPECT_EQ(scheduler.queue_depth(), 1);
+  release.Notify();
+  small.done.WaitForNotification();
+  EXPECT_THAT(small.result, testing::IsOk());
+}
+
 }  // namespace
 }  // namespace attention::server

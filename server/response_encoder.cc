@@ -1,0 +1,137 @@
+#include "server/response_encoder.h"
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/half.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/slice.h"
+
+namespace attention::server {
+namespace {
+
+// Field numbers and wire types of attention.v1 (attention.proto, tensor.proto).
+constexpr uint32_t kResponseOutput = 2;
+constexpr uint32_t kResponseWeights = 3;
+constexpr uint32_t kTensorData = 3;
+constexpr uint32_t kLengthDelimited = 2;
+
+void AppendVarint(uint64_t value, std::string& out) {
+  while (value >= 0x80) {
+    out.push_back(static_cast<char>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out.push_back(static_cast<char>(value));
+}
+
+size_t VarintSize(uint64_t value) {
+  size_t size = 1;
+  while (value >= 0x80) {
+    value >>= 7;
+    ++size;
+  }
+  return size;
+}
+
+void AppendTag(uint32_t field, std::string& out) {
+  AppendVarint((field << 3) | kLengthDelimited, out);
+}
+
+// A heap-owned buffer that a slice frees when gRPC is done with it.
+template <typename Buffer>
+grpc::Slice OwningSlice(Buffer buffer) {
+  auto* owned = new Buffer(std::move(buffer));
+  return grpc::Slice(
+      owned->data(), owned->size() * sizeof(typename Buffer::value_type),
+      +[](void* p) { delete static_cast<Buffer*>(p); }, owned);
+}
+
+using HalfBuffer = std::vector<uint16_t, DefaultInitAllocator<uint16_t>>;
+
+// `t`'s elements as `dtype`, in a slice of their own.
+absl::StatusOr<grpc::Slice> DataSlice(Tensor& t, v1::Tensor::DType dtype) {
+  switch (dtype) {
+    case v1::Tensor::FLOAT32:
+      return OwningSlice(std::move(t.data));
+    case v1::Tensor::BFLOAT16:
+    case v1::Tensor::FLOAT16: {
+      uint16_t (*const convert)(float) =
+          dtype == v1::Tensor::BFLOAT16 ? &FloatToBFloat16 : &FloatToFloat16;
+      HalfBuffer half(t.data.size());
+      for (size_t i = 0; i < t.data.size(); ++i) half[i] = convert(t.data[i]);
+      return OwningSlice(std::move(half));
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("output_dtype: must be FLOAT32, BFLOAT16 or FLOAT16, not ",
+                       v1::Tensor::DType_Name(dtype)));
+  }
+}
+
+// Appends response field `field`, a Tensor of `t` as `dtype`: its dtype and
+// shape into `header`, which is then complete, and its data as the next slice.
+absl::Status AppendTensor(uint32_t field, Tensor& t, v1::Tensor::DType dtype, std::string& header,
+                          std::vector<grpc::Slice>& slices) {
+  absl::StatusOr<grpc::Slice> data = DataSlice(t, dtype);
+  if (!data.ok()) return data.status();
+  v1::Tensor head;
+  head.set_dtype(dtype);
+  head.mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+  const std::string fields = head.SerializeAsString();
+  const size_t data_bytes = data->size();
+  const size_t tensor_bytes = fields.size() + VarintSize((kTensorData << 3) | kLengthDelimited) +
+                              VarintSize(data_bytes) + data_bytes;
+  AppendTag(field, header);
+  AppendVarint(tensor_bytes, header);
+  header += fields;
+  AppendTag(kTensorData, header);
+  AppendVarint(data_bytes, header);
+  slices.emplace_back(header);
+  header.clear();
+  slices.push_back(*std::move(data));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<grpc::ByteBuffer> EncodeResponse(const v1::AttendResponse& head,
+                                                AttentionResult result, bool need_weights,
+                                                v1::Tensor::DType dtype) {
+  // Fields may come in any order on the wire: `head`'s first, then each
+  // tensor's header followed by its data.
+  std::string header = head.SerializeAsString();
+  std::vector<grpc::Slice> slices;
+  slices.reserve(4);
+  if (absl::Status s = AppendTensor(kResponseOutput, result.output, dtype, header, slices);
+      !s.ok()) {
+    return s;
+  }
+  if (need_weights) {
+    if (absl::Status s = AppendTensor(kResponseWeights, result.weights, dtype, header, slices);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message) {
+  grpc::Slice slice(message.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
+  grpc::ByteBuffer shared(buffer);  // the reader consumes its buffer; this shares the slices
+  grpc::ProtoBufferReader reader(&shared);
+  if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the request is not a valid ", message->GetTypeName(), " message"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attention::server
