@@ -976,6 +976,7 @@ int main(int argc, char** argv) {
   // As attention_server does: idle OpenMP threads sleep instead of spinning on
   // the cores gRPC needs.
   setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::ParseCommandLine(argc, argv);
   if (absl::Status status = attention::Run(); !status.ok()) {
     std::cerr << "attention_server_bench: " << status << "\n";
