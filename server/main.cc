@@ -50,6 +50,10 @@ ABSL_FLAG(int64_t, max_queue_delay_us, attention::ServerOptions().max_queue_dela
 ABSL_FLAG(double, drain_seconds, attention::ServerOptions().drain_seconds,
           "On SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
           "get this long to finish before they are cancelled");
+ABSL_FLAG(double, max_connection_age_seconds,
+          attention::ServerOptions().max_connection_age_seconds,
+          "Connections older than this are asked to reconnect (after up to --drain_seconds for "
+          "their calls), so DNS-balancing clients spread onto new replicas; 0: never");
 ABSL_FLAG(std::string, tls_cert, "", "Server certificate (PEM); with --tls_key serves TLS");
 ABSL_FLAG(std::string, tls_key, "", "Server private key (PEM)");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -132,6 +136,7 @@ int main(int argc, char** argv) {
   options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   options.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  options.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);

@@ -122,7 +122,11 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Load(const std
   }
   std::vector<std::string> folders;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (entry.is_directory()) folders.push_back(entry.path().string());
+    // Hidden folders are not models: a Kubernetes ConfigMap volume, for one,
+    // keeps its files in "..data" and "..<timestamp>" beside their links.
+    if (entry.is_directory() && entry.path().filename().string().front() != '.') {
+      folders.push_back(entry.path().string());
+    }
   }
   if (ec) return absl::NotFoundError(absl::StrCat(dir, ": ", ec.message()));
   std::sort(folders.begin(), folders.end());

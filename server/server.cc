@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <limits>
@@ -116,6 +117,14 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
     const ServerOptions& options) {
   if (options.listen.empty()) return absl::InvalidArgumentError("listen: empty address");
   ATTN_ASSIGN_OR_RETURN(const int max_message_bytes, MessageBytes(options.max_message_mb));
+  // gRPC takes both as int milliseconds.
+  constexpr double kMaxSeconds = std::numeric_limits<int>::max() / 1000.0;
+  if (!(options.max_connection_age_seconds >= 0 &&
+        options.max_connection_age_seconds <= kMaxSeconds)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_connection_age_seconds: ", options.max_connection_age_seconds,
+                     " must be in [0, ", kMaxSeconds, "] (0 keeps connections)"));
+  }
   InitGrpcOnce();
 
   auto impl = std::make_unique<Impl>();
@@ -164,6 +173,13 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   builder.SetMaxSendMessageSize(max_message_bytes);
   // A second server on a taken port must fail, not silently share the traffic.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (options.max_connection_age_seconds > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               static_cast<int>(options.max_connection_age_seconds * 1000));
+    builder.AddChannelArgument(
+        GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+        static_cast<int>(std::min(options.drain_seconds, kMaxSeconds) * 1000));
+  }
   builder.RegisterService(impl->service.get());
   impl->grpc_server = builder.BuildAndStart();
   if (impl->grpc_server == nullptr || impl->port == 0) {

@@ -49,6 +49,12 @@ struct ServerOptions {
 
   // SIGTERM / Shutdown(): in-flight calls get this long to finish.
   double drain_seconds = 30;
+
+  // Connections older than this are asked to go away (HTTP/2 GOAWAY; calls in
+  // flight get drain_seconds more), so clients that balance over DNS
+  // (dns:/// + round_robin) re-resolve and spread onto replicas added since
+  // they connected. 0 keeps connections for ever.
+  double max_connection_age_seconds = 0;
   EngineOptions engine;
 };
 

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -69,6 +70,19 @@ TEST_F(ModelRepositoryTest, LoadsAValidModel) {
   EXPECT_EQ(m->config.name(), "m");
   EXPECT_EQ(m->config.embed_dim(), 4);
   EXPECT_EQ((*repo)->Find("other"), nullptr);
+}
+
+TEST_F(ModelRepositoryTest, SkipsHiddenFolders) {
+  // As a Kubernetes ConfigMap volume lays out a model: its files are links
+  // into "..data", which is no model of its own.
+  const std::string repo = Repo(kConfig, SafetensorsBytes(SmallWeights()));
+  std::filesystem::create_directories(repo + "/m/..data");
+  std::filesystem::create_directories(repo + "/..2026_11_21");
+  WriteFile(repo + "/..2026_11_21/config.pbtxt", "not a config");
+  auto loaded = ModelRepository::Load(repo);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_NE((*loaded)->Find("m"), nullptr);
+  EXPECT_EQ((*loaded)->models().size(), 1u);
 }
 
 TEST_F(ModelRepositoryTest, ServesTheShippedDemoModel) {
@@ -187,6 +201,31 @@ TEST(SafetensorsTest, ReadsHalfPrecisionTensors) {
   ASSERT_TRUE(dict.ok()) << dict.status();
   EXPECT_EQ(dict->at("a").data, (FloatBuffer{1.0f, -2.0f}));
   EXPECT_EQ(dict->at("b").data, (FloatBuffer{0.5f}));
+}
+
+// Regressions found by fuzz_model_config (tests/fuzz/regressions/): configs
+// that loaded although every call of the model then failed, and one whose
+// embed_dim overflowed the weight shape arithmetic (3 * embed_dim).
+TEST_F(ModelRepositoryTest, RefusesAtLoadTheScoresItsCallsWouldRefuse) {
+  const std::string weights = SafetensorsBytes(SmallWeights());
+  const std::pair<const char*, const char*> cases[] = {
+      {"score { kind: GAUSSIAN bandwidth: nan }", "score.bandwidth: nan is not a finite number"},
+      {"score { kind: DOT bandwidth: 2 }", "score.bandwidth: is used by score GAUSSIAN only"},
+      {"score { kind: DOT scale: inf }", "score.scale: inf is not a finite number"},
+  };
+  for (const auto& [score, message] : cases) {
+    EXPECT_THAT(ModelRepository::Load(Repo(std::string(kConfig) + score, weights)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(message)))
+        << score;
+  }
+}
+
+TEST_F(ModelRepositoryTest, RefusesDimsWhoseWeightShapesWouldOverflow) {
+  EXPECT_THAT(
+      ModelRepository::Load(Repo("embed_dim: 4611686018427387904\nnum_heads: 1\n",
+                                 SafetensorsBytes(SmallWeights()))),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("embed_dim 4611686018427387904, kdim 0 and vdim 0 must be at most 2147483647")));
 }
 
 TEST(SafetensorsTest, RejectsHeaderThatIsNotJson) {

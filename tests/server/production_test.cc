@@ -14,6 +14,7 @@
 #include "client/tensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "grpcpp/channel.h"
 #include "httplib.h"
 #include "server/metrics.h"
 #include "tests/safetensors_writer.h"
@@ -184,6 +185,35 @@ TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
   ASSERT_THAT(in_flight, IsOk());
   EXPECT_EQ(in_flight->output().shape_size(), 4);
   EXPECT_THAT((*server)->client().Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+}
+
+// --max_connection_age_seconds: the server closes old connections, and the
+// client's next call opens a new one (how DNS-balancing clients find new
+// replicas).
+TEST(ConnectionAgeTest, OldConnectionsAreClosedAndClientsReconnect) {
+  ServerOptions options;
+  options.max_connection_age_seconds = 0.2;
+  options.drain_seconds = 1;
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  client::AttentionClient& client = (*server)->client();
+  ASSERT_THAT(client.Attend(Small()), IsOk());
+  ASSERT_EQ(client.channel()->GetState(false), GRPC_CHANNEL_READY);
+  bool closed = false;
+  for (int i = 0; i < 500 && !closed; ++i) {  // up to 5 s: age, jitter and grace
+    absl::SleepFor(absl::Milliseconds(10));
+    closed = client.channel()->GetState(false) != GRPC_CHANNEL_READY;
+  }
+  EXPECT_TRUE(closed) << "the connection outlived max_connection_age_seconds";
+  EXPECT_THAT(client.Attend(Small()), IsOk());
+}
+
+TEST(ConnectionAgeTest, ANegativeAgeIsRefused) {
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.max_connection_age_seconds = -1;
+  EXPECT_THAT(AttentionServer::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_connection_age_seconds")));
 }
 
 }  // namespace
