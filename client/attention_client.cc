@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/status_macros.h"
+#include "grpc/grpc.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -108,6 +109,7 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
   args.SetMaxSendMessageSize(max_bytes);
   args.SetMaxReceiveMessageSize(max_bytes);
   args.SetLoadBalancingPolicyName("round_robin");
+  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (!options.tls_server_name_override.empty()) {
     args.SetSslTargetNameOverride(options.tls_server_name_override);
   }

@@ -33,6 +33,10 @@ struct ClientOptions {
   // Applied to each call unless the call passes its own. Zero, negative or
   // infinite: no deadline.
   absl::Duration timeout = absl::Seconds(30);
+  // Give the channel TCP connections of its own. By default, channels with the
+  // same target and options share them; a load tester opening several
+  // connections to one server sets this.
+  bool own_connection = false;
 };
 
 // A connection to one attention service target. Thread-safe.

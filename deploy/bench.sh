@@ -4,12 +4,15 @@
 #   bash deploy/bench.sh [ARGS]          attention_bench ARGS, then attention_server_bench
 #   bash deploy/bench.sh engine [ARGS]   attention_bench ARGS only
 #   bash deploy/bench.sh server [ARGS]   attention_server_bench ARGS only
+#   bash deploy/bench.sh loadtest [SECS] attention_loadtest's own CPU use and rate
+#                                        accuracy up to the server's capacity
+#                                        (deploy/loadtest_bench.sh)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 which=all
 case "${1:-}" in
-  engine | server) which=$1; shift ;;
+  engine | server | loadtest) which=$1; shift ;;
 esac
 
 bash deploy/install-deps.sh
@@ -17,11 +20,16 @@ cmake -S . -B build-release -G Ninja -DCMAKE_BUILD_TYPE=Release
 case "$which" in
   engine) targets=(attention_bench) ;;
   server) targets=(attention_server_bench) ;;
+  loadtest) targets=(attention_server attention_cli attention_loadtest) ;;
   *) targets=(attention_bench attention_server_bench) ;;
 esac
 cmake --build build-release -j2 --target "${targets[@]}"
 case "$which" in
   engine) build-release/attention_bench "$@" ;;
   server) build-release/attention_server_bench "$@" ;;
+  loadtest)
+    bash deploy/loadtest_bench.sh build-release/attention_server build-release/attention_cli \
+      build-release/attention_loadtest "$@"
+    ;;
   *) build-release/attention_bench "$@" && build-release/attention_server_bench ;;
 esac

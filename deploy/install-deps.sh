@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages that building and testing need, only those
-# missing; runs apt-get update only when a missing package has no candidate or
-# the install fails on stale lists. Idempotent; installing needs root.
+# Installs the Debian 12 packages that building and testing need (with
+# --fuzz, also what deploy/fuzz.sh needs), only those missing; runs apt-get
+# update only when a missing package has no candidate or the install fails on
+# stale lists. Idempotent; installing needs root.
 set -euo pipefail
 
+# ocl-icd-opencl-dev: only recommended by libdnnl-dev, but its CMake config
+# (find_package(dnnl)) fails without OpenCL's library and headers.
 packages=(
   cmake ninja-build g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-  libdnnl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libdnnl-dev ocl-icd-opencl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libssl-dev openssl
 )
+# --fuzz (deploy/fuzz.sh): Clang with libFuzzer and its sanitizer runtimes,
+# llvm-symbolizer for readable reports, and libomp-14-dev for Clang's omp.h
+# only (the fuzz build links GCC's libgomp, as oneDNN does).
+if [[ ${1:-} == --fuzz ]]; then
+  packages+=(clang libclang-rt-14-dev llvm-14 libomp-14-dev)
+fi
 
 installed() {
   [[ $(dpkg-query -W -f='${db:Status-Abbrev}' "$1" 2>/dev/null) == ii* ]]

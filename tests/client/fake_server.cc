@@ -32,36 +32,33 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
   grpc::Status Attend(grpc::ServerContext* context, const v1::AttendRequest* request,
                       v1::AttendResponse* response) override {
     Record(*context);
-    if (request->id() == "fail") {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "mask.valid_lens: shape [3] does not match batch size 2");
-    }
+    CountAndStall(*context);
     if (request->id() == "hang") {
       const absl::Time give_up = absl::Now() + absl::Seconds(30);
       while (!context->IsCancelled() && absl::Now() < give_up)
         absl::SleepFor(absl::Milliseconds(5));
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     }
-    absl::StatusOr<std::vector<float>> query = client::ReadFloats(request->query());
-    if (!query.ok()) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("query: ", query.status().message()));
+    return Answer(*request, response);
+  }
+
+  grpc::Status AttendStream(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream) override {
+    Record(*context);
+    v1::AttendRequest request;
+    while (stream->Read(&request)) {
+      CountAndStall(*context);
+      v1::AttendResponse response;
+      const grpc::Status status = Answer(request, &response);
+      if (!status.ok()) {
+        response.Clear();
+        response.set_id(request.id());
+        response.mutable_status()->set_message(status.error_message());
+      }
+      response.mutable_status()->set_code(status.error_code());
+      if (!stream->Write(response)) break;
     }
-    const std::vector<int64_t> shape(request->query().shape().begin(),
-                                     request->query().shape().end());
-    absl::StatusOr<v1::Tensor> output =
-        client::MakeFloatTensor(shape, *query, request->output_dtype());
-    if (!output.ok()) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("output_dtype: ", output.status().message()));
-    }
-    response->set_id(request->id());
-    *response->mutable_output() = *std::move(output);
-    if (request->need_weights()) {
-      *response->mutable_weights() = *client::MakeFloatTensor({1, 1}, {0.5f}, v1::Tensor::FLOAT16);
-    }
-    response->set_compute_us(7);
-    response->set_batch_size(1);
     return grpc::Status::OK;
   }
 
@@ -99,6 +96,49 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
   void Record(const grpc::ServerContext& context) {
     absl::MutexLock lock(&state_->mu);
     state_->authorization = Authorization(context);
+  }
+
+  // Counts an Attend call or stream message, and waits out a stall.
+  void CountAndStall(const grpc::ServerContext& context) {
+    absl::Time until;
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->peers.insert(context.peer());
+      if (++state_->attend_calls == state_->stall_call) {
+        state_->stalled_until = absl::Now() + state_->stall;
+      }
+      until = state_->stalled_until;
+    }
+    absl::SleepFor(until - absl::Now());
+  }
+
+  static grpc::Status Answer(const v1::AttendRequest& request, v1::AttendResponse* response) {
+    if (request.id() == "fail") {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "mask.valid_lens: shape [3] does not match batch size 2");
+    }
+    absl::StatusOr<std::vector<float>> query = client::ReadFloats(request.query());
+    if (!query.ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("query: ", query.status().message()));
+    }
+    const std::vector<int64_t> shape(request.query().shape().begin(),
+                                     request.query().shape().end());
+    absl::StatusOr<v1::Tensor> output =
+        client::MakeFloatTensor(shape, *query, request.output_dtype());
+    if (!output.ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("output_dtype: ", output.status().message()));
+    }
+    response->set_id(request.id());
+    *response->mutable_output() = *std::move(output);
+    if (request.need_weights()) {
+      *response->mutable_weights() = *client::MakeFloatTensor({1, 1}, {0.5f}, v1::Tensor::FLOAT16);
+    }
+    response->set_queue_us(3);
+    response->set_compute_us(7);
+    response->set_batch_size(1);
+    return grpc::Status::OK;
   }
 
   State* state_;
@@ -158,6 +198,22 @@ std::string FakeAttentionServer::last_authorization() const {
 std::string FakeAttentionServer::last_health_service() const {
   absl::MutexLock lock(&state_.mu);
   return state_.health_service;
+}
+
+int64_t FakeAttentionServer::attend_calls() const {
+  absl::MutexLock lock(&state_.mu);
+  return state_.attend_calls;
+}
+
+size_t FakeAttentionServer::distinct_peers() const {
+  absl::MutexLock lock(&state_.mu);
+  return state_.peers.size();
+}
+
+void FakeAttentionServer::StallCall(int64_t call, absl::Duration stall) {
+  absl::MutexLock lock(&state_.mu);
+  state_.stall_call = call;
+  state_.stall = stall;
 }
 
 }  // namespace attention::testing

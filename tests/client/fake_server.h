@@ -4,11 +4,14 @@
 // An in-process stand-in for the attention server on 127.0.0.1:0, so client
 // tests need neither the engine nor a fixed port.
 
+#include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "attention/v1/service.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/server.h"
@@ -19,7 +22,10 @@ namespace attention::testing {
 //   "fail":  INVALID_ARGUMENT "mask.valid_lens: shape [3] does not match batch size 2"
 //   "hang":  blocks until the call is cancelled or its deadline passes
 //   other:   output = the query's elements re-encoded as output_dtype, shape
-//            kept; with need_weights, weights = [1, 1] holding 0.5 as FLOAT16.
+//            kept; with need_weights, weights = [1, 1] holding 0.5 as FLOAT16;
+//            queue_us 3, compute_us 7, batch_size 1.
+// AttendStream answers each message as Attend would, with its id and status
+// (a "fail" message gets status code 3; "hang" is not special there).
 // Health answers the status set with set_health(); service "missing" gets
 // NOT_FOUND. Thread-safe.
 class FakeAttentionServer {
@@ -39,6 +45,13 @@ class FakeAttentionServer {
   std::string last_authorization() const;
   // The service name of the latest health check.
   std::string last_health_service() const;
+  // Attend calls and AttendStream messages received so far.
+  int64_t attend_calls() const;
+  // How many client addresses (TCP connections) have sent them.
+  size_t distinct_peers() const;
+  // The call-th of them (1-based) stalls the server for `stall`: it, and every
+  // one arriving meanwhile, is answered only when the stall is over.
+  void StallCall(int64_t call, absl::Duration stall);
 
  private:
   class AttentionImpl;
@@ -49,6 +62,11 @@ class FakeAttentionServer {
         grpc::health::v1::HealthCheckResponse::SERVING;
     std::string authorization ABSL_GUARDED_BY(mu);
     std::string health_service ABSL_GUARDED_BY(mu);
+    int64_t attend_calls ABSL_GUARDED_BY(mu) = 0;
+    std::set<std::string> peers ABSL_GUARDED_BY(mu);
+    int64_t stall_call ABSL_GUARDED_BY(mu) = 0;
+    absl::Duration stall ABSL_GUARDED_BY(mu);
+    absl::Time stalled_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   };
 
   State state_;

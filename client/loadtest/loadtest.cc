@@ -1,0 +1,331 @@
+#include "client/loadtest/loadtest.h"
+
+#include <algorithm>
+#include <atomic>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "client/attention_client.h"
+#include "client/loadtest/report.h"
+#include "client/loadtest/runner.h"
+#include "client/loadtest/schedule.h"
+#include "client/loadtest/stats.h"
+#include "client/loadtest/thresholds.h"
+#include "client/loadtest/workload.h"
+#include "engine/status_macros.h"
+
+namespace attention::loadtest {
+namespace {
+
+constexpr absl::Duration kDefaultDuration = absl::Seconds(10);
+
+// The measured schedule the load options ask for.
+absl::StatusOr<Schedule> MakeSchedule(const LoadtestConfig& config) {
+  const int loads = (config.concurrency > 0 ? 1 : 0) + (config.rate > 0 ? 1 : 0) +
+                    (config.schedule.empty() ? 0 : 1);
+  if (loads > 1) {
+    return absl::InvalidArgumentError("give one of --concurrency, --rate and --schedule");
+  }
+  if (config.concurrency < 0 || config.rate < 0) {
+    return absl::InvalidArgumentError("--concurrency and --rate must not be negative");
+  }
+  if (!config.schedule.empty()) {
+    if (config.duration.has_value()) {
+      return absl::InvalidArgumentError(
+          "--duration and --schedule both set the length; the schedule's phases already do");
+    }
+    return Schedule::Parse(config.schedule);
+  }
+  absl::Duration length = kDefaultDuration;
+  if (config.duration.has_value()) {
+    length = *config.duration;
+    if (length <= absl::ZeroDuration() || length == absl::InfiniteDuration()) {
+      return absl::InvalidArgumentError(absl::StrCat("--duration ", absl::FormatDuration(length),
+                                                     " is not a positive, finite duration"));
+    }
+  } else if (config.requests > 0) {
+    length = absl::InfiniteDuration();
+  }
+  if (config.rate > 0) return Schedule::Constant(LoadKind::kRate, config.rate, length);
+  return Schedule::Constant(LoadKind::kConcurrency,
+                            static_cast<double>(std::max<int64_t>(config.concurrency, 1)), length);
+}
+
+// The mean rate of a rate schedule.
+double MeanValue(const Schedule& schedule) {
+  double area = 0;
+  double seconds = 0;
+  for (const Phase& phase : schedule.phases()) {
+    if (phase.length == absl::InfiniteDuration()) return phase.from;
+    const double length = absl::ToDoubleSeconds(phase.length);
+    area += (phase.from + phase.to) / 2 * length;
+    seconds += length;
+  }
+  return seconds > 0 ? area / seconds : 0;
+}
+
+std::string ShapeText(const v1::Tensor& tensor) {
+  return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "] ",
+                      absl::AsciiStrToLower(v1::Tensor::DType_Name(tensor.dtype())));
+}
+
+std::string DescribeRequest(const v1::AttendRequest& request, const std::string& file) {
+  std::string text = file.empty() ? "" : absl::StrCat(file, ": ");
+  absl::StrAppend(&text, request.model().empty()
+                             ? absl::StrCat("raw attention, ", std::max(1, request.num_heads()),
+                                            request.num_heads() > 1 ? " heads" : " head")
+                             : absl::StrCat("model ", request.model()));
+  absl::StrAppend(&text, ", query ", ShapeText(request.query()));
+  if (request.has_key()) absl::StrAppend(&text, ", key ", ShapeText(request.key()));
+  const v1::Mask& mask = request.mask();
+  if (mask.causal() != v1::Mask::NONE) {
+    absl::StrAppend(&text, ", causal ", v1::Mask::Causal_Name(mask.causal()));
+  }
+  if (mask.has_valid_lens()) absl::StrAppend(&text, ", valid_lens");
+  if (mask.has_key_padding_mask()) absl::StrAppend(&text, ", key_padding_mask");
+  if (mask.has_attn_mask()) absl::StrAppend(&text, ", attn_mask");
+  if (request.need_weights()) absl::StrAppend(&text, ", need_weights");
+  return text;
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& contents) {
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  file << contents;
+  file.close();
+  if (!file) return absl::InvalidArgumentError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+// Appends the report's row under the header already in `path`, or writes
+// both when the file is new, empty or holds another header.
+absl::Status AppendCsv(const std::string& path, const Report& report) {
+  const std::string header = CsvHeader();
+  std::string first_line;
+  {
+    std::ifstream existing(path);
+    std::getline(existing, first_line);
+  }
+  if (first_line != header)
+    return WriteFile(path, absl::StrCat(header, "\n", CsvRow(report), "\n"));
+  std::ofstream file(path, std::ios::app);
+  file << CsvRow(report) << "\n";
+  file.close();
+  if (!file) return absl::InvalidArgumentError(absl::StrCat("cannot append to ", path));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<Threshold>> ParseThresholds(const std::vector<std::string>& texts) {
+  std::vector<Threshold> thresholds;
+  for (const std::string& text : texts) {
+    ATTN_ASSIGN_OR_RETURN(Threshold threshold, ParseThreshold(text));
+    thresholds.push_back(std::move(threshold));
+  }
+  return thresholds;
+}
+
+// Thresholds, the summary and the files; the exit code.
+int Conclude(Report& report, const std::vector<Threshold>& thresholds, const LoadtestConfig& config,
+             std::ostream& out, std::ostream& err) {
+  report.thresholds = EvaluateThresholds(thresholds, report.stats);
+  out << FormatSummary(report);
+  out.flush();
+  absl::Status written = absl::OkStatus();
+  if (!config.json_file.empty()) written.Update(WriteFile(config.json_file, FormatJson(report)));
+  if (!config.csv_file.empty()) written.Update(AppendCsv(config.csv_file, report));
+  if (!config.histogram_log_file.empty()) {
+    written.Update(WriteFile(config.histogram_log_file, report.stats.ToLog()));
+  }
+  if (!written.ok()) {
+    err << "error: " << written.message() << "\n";
+    return kExitSetup;
+  }
+  return ThresholdExitCode(report.thresholds);
+}
+
+std::string FormatProgress(const Progress& progress) {
+  const double seconds = absl::ToDoubleSeconds(progress.elapsed);
+  return absl::StrFormat(
+      "[%s %6.1fs] target %.0f  sent %d  done %d  %.0f/s  errors %d  in flight %d  p99 %s",
+      progress.warming_up ? "warm-up" : "running", seconds, progress.target, progress.sent,
+      progress.completed, progress.rps, progress.errors, progress.in_flight,
+      progress.p99_ns > 0 ? FormatLatency(static_cast<double>(progress.p99_ns)) : "-");
+}
+
+// Everything before the first call: thresholds, schedule, request, verifier.
+struct Prepared {
+  std::vector<Threshold> thresholds;
+  RunOptions options;
+  v1::AttendRequest request;
+  std::optional<Verifier> verifier;
+  RunDescription description;
+};
+
+absl::StatusOr<v1::ModelConfig> FetchModel(const LoadtestConfig& config, const std::string& model) {
+  client::ClientOptions options = config.client;
+  options.target = config.targets.front();
+  options.timeout = config.connect_timeout;
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<client::AttentionClient> client,
+                        client::AttentionClient::Create(options));
+  absl::StatusOr<v1::GetModelResponse> response = client->GetModel(model);
+  if (!response.ok()) {
+    return absl::Status(
+        response.status().code(),
+        absl::StrCat("model ", model, " on ", options.target, ": ", response.status().message()));
+  }
+  return response->config();
+}
+
+absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
+  if (config.targets.empty()) return absl::InvalidArgumentError("no --target given");
+  ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
+  ATTN_ASSIGN_OR_RETURN(Schedule schedule, MakeSchedule(config));
+  ATTN_ASSIGN_OR_RETURN(const Arrival arrival, ParseArrival(config.arrival));
+  const bool open_loop = schedule.kind() == LoadKind::kRate;
+  if (!open_loop && (arrival != Arrival::kConstant || config.max_in_flight > 0)) {
+    return absl::InvalidArgumentError(
+        "--arrival and --max_in_flight apply to open loops (--rate or a rate: schedule)");
+  }
+  if (config.requests < 0 || config.max_in_flight < 0) {
+    return absl::InvalidArgumentError("--requests and --max_in_flight must not be negative");
+  }
+
+  ShapeOptions shape = config.shape;
+  ATTN_ASSIGN_OR_RETURN(shape.mask, ParseMaskKind(config.mask));
+  ATTN_ASSIGN_OR_RETURN(shape.dtype, ParseFloatDType(config.dtype));
+  v1::AttendRequest& request = prepared->request;
+  if (!config.request_file.empty()) {
+    ATTN_RETURN_IF_ERROR(ReadJsonFile(config.request_file, &request));
+  }
+  const std::string model = config.request_file.empty() ? shape.model : request.model();
+  std::optional<v1::ModelConfig> model_config;
+  if (!model.empty()) {
+    ATTN_ASSIGN_OR_RETURN(model_config, FetchModel(config, model));
+  }
+  const v1::ModelConfig* model_ptr = model_config.has_value() ? &*model_config : nullptr;
+  if (config.request_file.empty()) {
+    ATTN_ASSIGN_OR_RETURN(request, BuildRequest(shape, model_ptr));
+  }
+  if (config.verify || !config.expected_file.empty()) {
+    ATTN_ASSIGN_OR_RETURN(AnswerShapes shapes, ExpectedShapes(request, model_ptr));
+    std::optional<v1::AttendResponse> expected;
+    if (!config.expected_file.empty()) {
+      expected.emplace();
+      ATTN_RETURN_IF_ERROR(ReadJsonFile(config.expected_file, &*expected));
+    }
+    ATTN_ASSIGN_OR_RETURN(prepared->verifier,
+                          Verifier::Create(std::move(shapes), std::move(expected),
+                                           config.verify_atol, config.verify_rtol));
+  }
+
+  RunOptions& options = prepared->options;
+  options.targets = config.targets;
+  options.connections = config.connections;
+  options.client = config.client;
+  options.client.timeout = config.timeout;
+  options.connect_timeout = config.connect_timeout;
+  options.schedule = schedule;
+  options.arrival = arrival;
+  options.max_in_flight = config.max_in_flight;
+  options.warmup = config.warmup;
+  options.max_requests = config.requests;
+  options.stream = config.stream;
+  options.threads = config.threads;
+  options.seed = config.shape.seed;
+  options.progress_interval = config.progress_interval;
+
+  RunDescription& run = prepared->description;
+  run.targets = config.targets;
+  run.connections = config.connections;
+  run.threads = config.threads;
+  run.stream = config.stream;
+  run.open_loop = open_loop;
+  run.schedule = schedule.ToString();
+  if (open_loop) {
+    run.arrival = ArrivalName(arrival);
+    run.target_rps = MeanValue(schedule);
+    run.max_in_flight = config.max_in_flight;
+  }
+  run.warmup_s = absl::ToDoubleSeconds(config.warmup);
+  run.workload = DescribeRequest(request, config.request_file);
+  if (config.requests > 0) absl::StrAppend(&run.schedule, ", ", config.requests, " requests");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunLoadtest(const LoadtestConfig& config, std::ostream& out, std::ostream& err,
+                const std::atomic<bool>* interrupted) {
+  Prepared prepared;
+  if (absl::Status status = Prepare(config, &prepared); !status.ok()) {
+    err << "error: " << status.message() << "\n";
+    return kExitSetup;
+  }
+  RunOptions& options = prepared.options;
+  if (prepared.verifier.has_value()) options.verifier = &*prepared.verifier;
+  options.interrupted = interrupted;
+  size_t drawn = 0;
+  if (config.progress) {
+    options.on_progress = [&err, &drawn](const Progress& progress) {
+      const std::string line = FormatProgress(progress);
+      err << "\r" << line << std::string(drawn > line.size() ? drawn - line.size() : 0, ' ')
+          << std::flush;
+      drawn = line.size();
+    };
+  }
+  absl::StatusOr<RunResult> result = RunLoad(options, prepared.request);
+  if (drawn > 0) err << "\r" << std::string(drawn, ' ') << "\r" << std::flush;
+  if (!result.ok()) {
+    err << "error: " << result.status().message() << "\n";
+    return kExitSetup;
+  }
+  if (interrupted != nullptr && interrupted->load()) {
+    err << "interrupted: the report covers the run until then\n";
+  }
+  Report report;
+  report.run = prepared.description;
+  report.stats = std::move(result->stats);
+  report.timeline = std::move(result->timeline);
+  return Conclude(report, prepared.thresholds, config, out, err);
+}
+
+int RunMerge(const std::vector<std::string>& files, const LoadtestConfig& config, std::ostream& out,
+             std::ostream& err) {
+  absl::StatusOr<std::vector<Threshold>> thresholds = ParseThresholds(config.thresholds);
+  if (!thresholds.ok()) {
+    err << "error: " << thresholds.status().message() << "\n";
+    return kExitSetup;
+  }
+  if (files.empty()) {
+    err << "error: merge needs histogram log files\n";
+    return kExitSetup;
+  }
+  Report report;
+  for (const std::string& file : files) {
+    std::ifstream in(file, std::ios::binary);
+    std::ostringstream text;
+    if (in.is_open()) text << in.rdbuf();
+    absl::StatusOr<LoadStats> stats = absl::InvalidArgumentError("cannot be read");
+    if (in.is_open() && !in.bad()) stats = LoadStats::FromLog(text.str());
+    if (!stats.ok()) {
+      err << "error: " << file << ": " << stats.status().message() << "\n";
+      return kExitSetup;
+    }
+    report.stats.Merge(*stats);
+  }
+  return Conclude(report, *thresholds, config, out, err);
+}
+
+}  // namespace attention::loadtest

@@ -1,0 +1,80 @@
+#ifndef ATTENTION_CLIENT_LOADTEST_LOADTEST_H_
+#define ATTENTION_CLIENT_LOADTEST_LOADTEST_H_
+
+// attention_loadtest from its parsed command line to its exit code. The
+// binary's main() only turns flags into a LoadtestConfig, so tests run the
+// same code.
+
+#include <atomic>
+#include <cstdint>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "client/attention_client.h"
+#include "client/loadtest/workload.h"
+
+namespace attention::loadtest {
+
+struct LoadtestConfig {
+  std::vector<std::string> targets = {"127.0.0.1:50051"};
+  int connections = 1;
+  int threads = 1;
+
+  // The load: at most one of concurrency (closed loop), rate (open loop) and
+  // schedule; none means concurrency 1.
+  int64_t concurrency = 0;
+  double rate = 0;
+  std::string schedule;
+  std::string arrival = "constant";
+  int64_t max_in_flight = 0;
+  // How long the measurement lasts; unset means 10s, or until `requests`
+  // when that is set, or the schedule's length.
+  std::optional<absl::Duration> duration;
+  int64_t requests = 0;
+  absl::Duration warmup;
+  absl::Duration timeout = absl::Seconds(10);
+  absl::Duration connect_timeout = absl::Seconds(10);
+  bool stream = false;
+
+  // The request: a JSON file, or one built from `shape` with `mask` and
+  // `dtype` by name.
+  std::string request_file;
+  ShapeOptions shape;
+  std::string mask = "none";
+  std::string dtype = "float32";
+  bool verify = false;
+  std::string expected_file;  // implies verify
+  double verify_atol = 1e-4;
+  double verify_rtol = 1e-3;
+
+  std::string json_file;
+  std::string csv_file;  // a row per run, appended under the header
+  std::string histogram_log_file;
+  std::vector<std::string> thresholds;
+  bool progress = false;  // the live line on `err`
+  absl::Duration progress_interval = absl::Seconds(1);
+
+  // Token, TLS and message size; its target and timeout are not used.
+  client::ClientOptions client;
+};
+
+// Runs the load test `config` describes: prints the summary on `out`, writes
+// the files asked for, and returns kExitOk, kExitThreshold (a threshold
+// broke; the summary says which) or kExitSetup (one line "error: ..." on
+// `err`: a bad option, an unknown model, an unreachable target, a file that
+// cannot be read or written). `interrupted` (may be null) stops the run early.
+int RunLoadtest(const LoadtestConfig& config, std::ostream& out, std::ostream& err,
+                const std::atomic<bool>* interrupted = nullptr);
+
+// attention_loadtest merge: adds up the histogram logs in `files` and reports
+// them as one run made by load testers side by side, with config's outputs
+// and thresholds. Exit codes as RunLoadtest's.
+int RunMerge(const std::vector<std::string>& files, const LoadtestConfig& config, std::ostream& out,
+             std::ostream& err);
+
+}  // namespace attention::loadtest
+
+#endif  // ATTENTION_CLIENT_LOADTEST_LOADTEST_H_

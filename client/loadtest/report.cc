@@ -1,0 +1,290 @@
+#include "client/loadtest/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace attention::loadtest {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// The summary's row label and note of each histogram, in kHistograms' order.
+struct RowText {
+  const char* label;
+  const char* note;
+};
+constexpr RowText kRowText[] = {
+    {"latency", "from the intended send time"},
+    {"uncorrected", "from the actual send time, as ghz would report it"},
+    {"send lateness", "actual - intended send time"},
+    {"server queue", "queue_us of the OK answers"},
+    {"server compute", "compute_us of the OK answers"},
+};
+static_assert(std::size(kRowText) == std::size(kHistograms));
+
+constexpr size_t kBatchSizesShown = 6;
+
+double Microseconds(double ns) { return std::round(ns) / 1e3; }
+
+Json HistogramJson(const Histogram& histogram) {
+  Json json;
+  json["count"] = histogram.count();
+  json["min"] = Microseconds(static_cast<double>(histogram.min()));
+  json["mean"] = Microseconds(histogram.mean());
+  for (const ReportedQuantile& q : kReportedQuantiles) {
+    json[q.key] = Microseconds(static_cast<double>(histogram.ValueAtQuantile(q.quantile)));
+  }
+  json["max"] = Microseconds(static_cast<double>(histogram.max()));
+  return json;
+}
+
+double MeanBatchSize(const LoadStats& stats) {
+  int64_t answers = 0;
+  int64_t requests = 0;
+  for (size_t size = 0; size < stats.batch_sizes.size(); ++size) {
+    answers += stats.batch_sizes[size];
+    requests += stats.batch_sizes[size] * static_cast<int64_t>(size);
+  }
+  return answers == 0 ? 0 : static_cast<double>(requests) / static_cast<double>(answers);
+}
+
+std::string Plural(int64_t n, const char* one, const char* many) {
+  return absl::StrCat(n, " ", n == 1 ? one : many);
+}
+
+std::string DescribeRun(const RunDescription& run) {
+  std::string text = absl::StrCat(
+      "attention_loadtest: ", run.open_loop ? "open loop " : "closed loop ", run.schedule);
+  if (run.open_loop) {
+    absl::StrAppend(&text, ", ", run.arrival, " arrivals");
+    if (run.max_in_flight > 0) {
+      absl::StrAppend(&text, ", at most ", run.max_in_flight, " in flight");
+    }
+  }
+  if (run.warmup_s > 0) absl::StrAppend(&text, absl::StrFormat(", %gs warm-up", run.warmup_s));
+  absl::StrAppend(&text, run.stream ? ", AttendStream\n" : ", unary Attend\n");
+  absl::StrAppend(&text, "  ", absl::StrJoin(run.targets, " "), " x ",
+                  Plural(run.connections, "connection", "connections"), ", ",
+                  Plural(run.threads, "thread", "threads"), "; ", run.workload, "\n");
+  return text;
+}
+
+}  // namespace
+
+std::string FormatSummary(const Report& report) {
+  const LoadStats& stats = report.stats;
+  std::string text;
+  if (report.run.has_value()) {
+    absl::StrAppend(&text, DescribeRun(*report.run), "\n");
+  } else {
+    absl::StrAppend(&text, "attention_loadtest: merged histogram logs\n\n");
+  }
+  absl::StrAppend(&text, absl::StrFormat("%-15s%d in %.2fs: %.1f/s answered, %.1f/s sent",
+                                         "requests", stats.requests(), stats.duration_s,
+                                         stats.throughput_rps(), stats.sent_rps()));
+  if (report.run.has_value() && report.run->open_loop) {
+    absl::StrAppend(&text, absl::StrFormat(" (target %.1f/s)", report.run->target_rps));
+  }
+  absl::StrAppend(
+      &text, "\n",
+      absl::StrFormat("%-15s%d (%.3f%%)", "errors", stats.errors(), 100 * stats.error_fraction()));
+  std::vector<std::string> by_code;
+  for (int code = 1; code < kStatusCodes; ++code) {
+    if (stats.calls_by_code[code] > 0) {
+      by_code.push_back(absl::StrCat(StatusCodeName(code), " ", stats.calls_by_code[code]));
+    }
+  }
+  if (stats.verify_failures > 0)
+    by_code.push_back(absl::StrCat("VERIFY_FAILED ", stats.verify_failures));
+  if (!by_code.empty()) absl::StrAppend(&text, ": ", absl::StrJoin(by_code, ", "));
+  absl::StrAppend(&text, "\n");
+  if (!stats.first_error.empty()) {
+    absl::StrAppend(&text, absl::StrFormat("%-15s%s\n", "first error", stats.first_error));
+  }
+
+  absl::StrAppend(&text, absl::StrFormat("\n%-15s", ""));
+  for (const ReportedQuantile& q : kReportedQuantiles) {
+    absl::StrAppend(&text, absl::StrFormat("%10s", q.key));
+  }
+  absl::StrAppend(&text, absl::StrFormat("%10s\n", "max"));
+  // Without a late send, the uncorrected and lateness rows would only repeat
+  // the latency row and zeros.
+  const bool late = stats.send_lateness.max() > 0;
+  for (size_t i = 0; i < std::size(kHistograms); ++i) {
+    const NamedHistogram& named = kHistograms[i];
+    const Histogram& histogram = stats.*named.histogram;
+    if (!late && (named.histogram == &LoadStats::uncorrected_latency ||
+                  named.histogram == &LoadStats::send_lateness)) {
+      continue;
+    }
+    if (histogram.count() == 0) continue;
+    absl::StrAppend(&text, absl::StrFormat("%-15s", kRowText[i].label));
+    for (const ReportedQuantile& q : kReportedQuantiles) {
+      absl::StrAppend(&text, absl::StrFormat("%10s", FormatLatency(static_cast<double>(
+                                                         histogram.ValueAtQuantile(q.quantile)))));
+    }
+    absl::StrAppend(
+        &text, absl::StrFormat("%10s  %s\n", FormatLatency(static_cast<double>(histogram.max())),
+                               kRowText[i].note));
+  }
+
+  int64_t answers = 0;
+  for (int64_t n : stats.batch_sizes) answers += n;
+  if (answers > 0) {
+    // The most common sizes first; the JSON has them all.
+    std::vector<size_t> sizes;
+    for (size_t size = 0; size < stats.batch_sizes.size(); ++size) {
+      if (stats.batch_sizes[size] > 0) sizes.push_back(size);
+    }
+    std::stable_sort(sizes.begin(), sizes.end(), [&](size_t a, size_t b) {
+      return stats.batch_sizes[a] > stats.batch_sizes[b];
+    });
+    std::vector<std::string> shown;
+    for (size_t i = 0; i < sizes.size() && i < kBatchSizesShown; ++i) {
+      const int64_t n = stats.batch_sizes[sizes[i]];
+      shown.push_back(
+          absl::StrFormat("%d: %d (%.1f%%)", sizes[i], n,
+                          100.0 * static_cast<double>(n) / static_cast<double>(answers)));
+    }
+    if (sizes.size() > kBatchSizesShown) {
+      shown.push_back(absl::StrCat("and ", sizes.size() - kBatchSizesShown, " other sizes"));
+    }
+    absl::StrAppend(&text, absl::StrFormat("\n%-15smean %.2f; %s\n", "batch sizes",
+                                           MeanBatchSize(stats), absl::StrJoin(shown, ", ")));
+  }
+  absl::StrAppend(&text, absl::StrFormat("%-15s%.2fs user + %.2fs system = %.1f%% of %d cores\n",
+                                         "client CPU", stats.cpu_user_s, stats.cpu_system_s,
+                                         stats.cpu_percent(), stats.cores));
+  for (const ThresholdResult& result : report.thresholds) {
+    absl::StrAppend(&text, absl::StrFormat("%-15s%s: %s\n", "threshold",
+                                           result.passed ? "ok" : "BROKEN", result.Describe()));
+  }
+  return text;
+}
+
+std::string FormatJson(const Report& report) {
+  const LoadStats& stats = report.stats;
+  Json json;
+  if (report.run.has_value()) {
+    const RunDescription& run = *report.run;
+    json["run"] = {
+        {"targets", run.targets},
+        {"connections", run.connections},
+        {"threads", run.threads},
+        {"api", run.stream ? "stream" : "unary"},
+        {"loop", run.open_loop ? "open" : "closed"},
+        {"schedule", run.schedule},
+        {"warmup_s", run.warmup_s},
+        {"workload", run.workload},
+    };
+    if (run.open_loop) {
+      json["run"]["arrival"] = run.arrival;
+      json["run"]["max_in_flight"] = run.max_in_flight;
+      json["target_rps"] = run.target_rps;
+    }
+  }
+  json["throughput_rps"] = stats.throughput_rps();
+  json["sent_rps"] = stats.sent_rps();
+  json["requests"] = stats.requests();
+  json["ok"] = stats.calls_by_code[0];
+  json["sent"] = stats.sent;
+  json["duration_s"] = stats.duration_s;
+  json["send_window_s"] = stats.send_window_s;
+  Json errors = Json::object();
+  for (int code = 1; code < kStatusCodes; ++code) {
+    if (stats.calls_by_code[code] > 0) errors[StatusCodeName(code)] = stats.calls_by_code[code];
+  }
+  if (stats.verify_failures > 0) errors["VERIFY_FAILED"] = stats.verify_failures;
+  json["errors"] = errors;
+  json["error_count"] = stats.errors();
+  json["error_rate"] = stats.error_fraction();
+  if (!stats.first_error.empty()) json["first_error"] = stats.first_error;
+  for (const NamedHistogram& named : kHistograms) {
+    json[absl::StrCat(named.name, "_us")] = HistogramJson(stats.*named.histogram);
+  }
+  Json batch_sizes = Json::object();
+  for (size_t size = 0; size < stats.batch_sizes.size(); ++size) {
+    if (stats.batch_sizes[size] > 0) batch_sizes[absl::StrCat(size)] = stats.batch_sizes[size];
+  }
+  json["batch_sizes"] = batch_sizes;
+  json["mean_batch_size"] = MeanBatchSize(stats);
+  json["cpu"] = {{"user_s", stats.cpu_user_s},
+                 {"system_s", stats.cpu_system_s},
+                 {"cores", stats.cores},
+                 {"percent_of_machine", stats.cpu_percent()}};
+  Json timeline = Json::array();
+  for (const TimelinePoint& point : report.timeline) {
+    timeline.push_back({{"t_s", point.t_s},
+                        {"target", point.target},
+                        {"sent", point.sent},
+                        {"completed", point.completed},
+                        {"errors", point.errors},
+                        {"p50_us", Microseconds(static_cast<double>(point.p50_ns))},
+                        {"p99_us", Microseconds(static_cast<double>(point.p99_ns))},
+                        {"max_us", Microseconds(static_cast<double>(point.max_ns))}});
+  }
+  json["timeline"] = timeline;
+  Json thresholds = Json::array();
+  bool passed = true;
+  for (const ThresholdResult& result : report.thresholds) {
+    thresholds.push_back({{"threshold", result.threshold.text},
+                          {"value", result.value},
+                          {"passed", result.passed},
+                          {"description", result.Describe()}});
+    passed = passed && result.passed;
+  }
+  json["thresholds"] = thresholds;
+  json["passed"] = passed;
+  return json.dump(2) + "\n";
+}
+
+std::string CsvHeader() {
+  std::vector<std::string> columns = {"schedule",       "loop",     "target_rps",
+                                      "requests",       "errors",   "error_rate",
+                                      "throughput_rps", "sent_rps", "duration_s"};
+  for (const NamedHistogram& named : kHistograms) {
+    for (const ReportedQuantile& q : kReportedQuantiles) {
+      columns.push_back(absl::StrCat(named.name, "_", q.key, "_us"));
+    }
+    columns.push_back(absl::StrCat(named.name, "_max_us"));
+  }
+  columns.push_back("cpu_percent");
+  return absl::StrJoin(columns, ",");
+}
+
+std::string CsvRow(const Report& report) {
+  const LoadStats& stats = report.stats;
+  const bool has_run = report.run.has_value();
+  std::vector<std::string> cells = {
+      // Schedules hold commas; a CSV cell with them is quoted.
+      has_run ? absl::StrCat("\"", report.run->schedule, "\"") : "merged",
+      has_run ? (report.run->open_loop ? "open" : "closed") : "",
+      has_run && report.run->open_loop ? absl::StrCat(report.run->target_rps) : "",
+      absl::StrCat(stats.requests()),
+      absl::StrCat(stats.errors()),
+      absl::StrFormat("%.6g", stats.error_fraction()),
+      absl::StrFormat("%.2f", stats.throughput_rps()),
+      absl::StrFormat("%.2f", stats.sent_rps()),
+      absl::StrFormat("%.3f", stats.duration_s)};
+  for (const NamedHistogram& named : kHistograms) {
+    const Histogram& histogram = stats.*named.histogram;
+    for (const ReportedQuantile& q : kReportedQuantiles) {
+      cells.push_back(
+          absl::StrCat(Microseconds(static_cast<double>(histogram.ValueAtQuantile(q.quantile)))));
+    }
+    cells.push_back(absl::StrCat(Microseconds(static_cast<double>(histogram.max()))));
+  }
+  cells.push_back(absl::StrFormat("%.2f", stats.cpu_percent()));
+  return absl::StrJoin(cells, ",");
+}
+
+}  // namespace attention::loadtest

@@ -1,0 +1,142 @@
+// Checks Kubernetes manifests offline: every object against the Kubernetes API
+// schema of its apiVersion and kind (npm's kubernetes-models), then the rules
+// that deploy/k8s relies on. Prints each problem and exits 1 if there is any.
+//
+//   node k8s.mjs FILE      (multi-document YAML, e.g. the output of kubectl kustomize)
+//   node k8s.mjs -         (the same on standard input)
+//
+// The API schemas check types, formats and required fields; like the API
+// server's OpenAPI, they do not reject unknown fields.
+import { readFileSync } from "node:fs";
+import { parseAllDocuments } from "yaml";
+
+const source = process.argv[2];
+if (!source) {
+  console.error("usage: node k8s.mjs FILE|-");
+  process.exit(2);
+}
+const text = readFileSync(source === "-" ? 0 : source, "utf8");
+
+const problems = [];
+const objects = [];
+for (const doc of parseAllDocuments(text)) {
+  if (doc.errors.length > 0) {
+    problems.push(`YAML: ${doc.errors[0].message}`);
+    continue;
+  }
+  const object = doc.toJS();
+  if (object == null) continue;
+  // kustomize wraps binaryData's base64 over lines; the API server's decoder
+  // (Go's encoding/base64) skips line breaks, the schema's "byte" format does not.
+  for (const [key, value] of Object.entries(object.binaryData ?? {})) {
+    if (typeof value === "string") object.binaryData[key] = value.replace(/[\r\n]/g, "");
+  }
+  objects.push(object);
+}
+const nameOf = (o) => `${o.kind ?? "?"}/${o.metadata?.name ?? "?"}`;
+
+// --- Kubernetes API schemas ---------------------------------------------------
+async function modelFor(apiVersion, kind) {
+  // "v1" (core) or "GROUP/VERSION"; kubernetes-models has one module per version.
+  if (!/^([a-z0-9.-]+\/)?v[0-9]+((alpha|beta)[0-9]+)?$/.test(apiVersion)) return undefined;
+  try {
+    return (await import(`kubernetes-models/${apiVersion}`))[kind];
+  } catch {
+    return undefined;
+  }
+}
+
+for (const object of objects) {
+  const Model = await modelFor(String(object.apiVersion), String(object.kind));
+  if (Model === undefined) {
+    problems.push(`${nameOf(object)}: no API schema for apiVersion ${object.apiVersion}, kind ${object.kind}`);
+    continue;
+  }
+  try {
+    new Model(object).validate();
+  } catch (error) {
+    for (const e of error.errors ?? [{ instancePath: "", message: error.message }]) {
+      problems.push(`${nameOf(object)}: ${e.instancePath || "/"} ${e.message}`);
+    }
+  }
+}
+
+// --- the rules of deploy/k8s ----------------------------------------------------
+const ofKind = (kind) => objects.filter((o) => o.kind === kind);
+const deployments = ofKind("Deployment");
+const selects = (selector, labels) =>
+  selector != null &&
+  Object.keys(selector).length > 0 &&
+  Object.entries(selector).every(([key, value]) => labels?.[key] === value);
+const selectsAPod = (selector) =>
+  deployments.some((d) => selects(selector, d.spec?.template?.metadata?.labels));
+// The value of the last --NAME=VALUE or --NAME VALUE in args, as the server's
+// flag parser reads them.
+function flag(args, name) {
+  let value;
+  args.forEach((arg, i) => {
+    if (arg === `--${name}`) value = args[i + 1];
+    else if (arg.startsWith(`--${name}=`)) value = arg.slice(name.length + 3);
+  });
+  return value;
+}
+const configMaps = new Set(ofKind("ConfigMap").map((c) => c.metadata?.name));
+
+for (const d of deployments) {
+  const pod = d.spec?.template?.spec ?? {};
+  const grace = pod.terminationGracePeriodSeconds ?? 30;
+  for (const c of pod.containers ?? []) {
+    const where = `${nameOf(d)} container ${c.name}`;
+    for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) {
+      if (c[probe] !== undefined && c[probe].grpc === undefined) {
+        problems.push(`${where}: ${probe} is not a native gRPC probe (grpc: {port: ...})`);
+      }
+    }
+    if (c.readinessProbe?.grpc === undefined || c.livenessProbe?.grpc === undefined) {
+      problems.push(`${where}: needs gRPC readiness and liveness probes`);
+    }
+    const args = (c.args ?? []).map(String);
+    const drain = Number(flag(args, "drain_seconds") ?? 30);  // the server's default
+    const preStop = c.lifecycle?.preStop;
+    const command = preStop?.exec?.command ?? [];
+    const sleep = Number(preStop?.sleep?.seconds ?? (command[0] === "sleep" ? command[1] : 0));
+    if (!(sleep > 0)) problems.push(`${where}: no preStop sleep: the pod gets SIGTERM while still in the endpoints`);
+    if (!(grace > sleep + drain)) {
+      problems.push(`${where}: terminationGracePeriodSeconds ${grace} must exceed preStop sleep ${sleep} s + --drain_seconds ${drain}`);
+    }
+    const repository = flag(args, "model_repository");
+    for (const mount of c.volumeMounts ?? []) {
+      const volume = (pod.volumes ?? []).find((v) => v.name === mount.name);
+      if (volume?.configMap && mount.mountPath.replace(/\/+$/, "") === repository?.replace(/\/+$/, "")) {
+        problems.push(`${where}: ConfigMap volume ${mount.name} mounted at --model_repository itself; mount it at ${repository}/MODEL`);
+      }
+    }
+  }
+  for (const v of pod.volumes ?? []) {
+    if (v.configMap && !configMaps.has(v.configMap.name)) {
+      problems.push(`${nameOf(d)}: volume ${v.name} names ConfigMap ${v.configMap.name}, which is not in the manifests`);
+    }
+  }
+}
+for (const s of ofKind("Service")) {
+  if (!selectsAPod(s.spec?.selector)) problems.push(`${nameOf(s)}: its selector matches no Deployment's pods`);
+}
+if (!ofKind("Service").some((s) => s.spec?.clusterIP === "None" && s.spec?.ports?.some((p) => p.name === "grpc"))) {
+  problems.push("no headless Service (clusterIP: None) with a grpc port for client-side round_robin");
+}
+for (const p of ofKind("PodDisruptionBudget")) {
+  if (!selectsAPod(p.spec?.selector?.matchLabels)) problems.push(`${nameOf(p)}: its selector matches no Deployment's pods`);
+}
+for (const h of ofKind("HorizontalPodAutoscaler")) {
+  const target = h.spec?.scaleTargetRef;
+  if (!deployments.some((d) => target?.kind === "Deployment" && d.metadata?.name === target?.name)) {
+    problems.push(`${nameOf(h)}: scaleTargetRef ${target?.kind}/${target?.name} is not in the manifests`);
+  }
+}
+
+if (objects.length === 0) problems.push("no objects");
+if (problems.length > 0) {
+  for (const p of problems) console.error(`k8s: ${p}`);
+  process.exit(1);
+}
+console.log(`k8s: ${objects.length} objects valid: ${objects.map(nameOf).join(", ")}`);

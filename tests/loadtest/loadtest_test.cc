@@ -1,0 +1,282 @@
+// attention_loadtest end to end: RunLoadtest against the real server (with
+// --verify), and the binary itself for flags and exit codes.
+
+#include "client/loadtest/loadtest.h"
+
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "client/loadtest/thresholds.h"
+#include "client/loadtest/workload.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/client/fake_server.h"
+#include "tests/safetensors_writer.h"
+#include "tests/server/test_server.h"
+
+#ifndef ATTENTION_LOADTEST_BIN
+#error "ATTENTION_LOADTEST_BIN must be defined by the build"
+#endif
+
+namespace attention::loadtest {
+namespace {
+
+using ::attention::testing::FakeAttentionServer;
+using ::attention::testing::MakeTempDir;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string ReadWholeFile(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+nlohmann::json ReadJson(const std::string& path) {
+  return nlohmann::json::parse(ReadWholeFile(path), nullptr, /*allow_exceptions=*/false);
+}
+
+struct Outcome {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// --- against the real server ------------------------------------------------
+
+class LoadtestServerTest : public testing::ServerSuite<> {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options;
+    options.model_repository = ATTENTION_MODELS_DIR;
+    StartSuiteServer(options);
+  }
+
+  LoadtestConfig Config() const {
+    LoadtestConfig config;
+    config.targets = {server_->server().address()};
+    config.concurrency = 4;
+    config.requests = 200;
+    return config;
+  }
+
+  static Outcome RunConfig(const LoadtestConfig& config) {
+    std::ostringstream out, err;
+    Outcome outcome;
+    outcome.exit_code = RunLoadtest(config, out, err);
+    outcome.out = out.str();
+    outcome.err = err.str();
+    return outcome;
+  }
+};
+
+TEST_F(LoadtestServerTest, DemoModelAnswersPassVerify) {
+  LoadtestConfig config = Config();
+  config.shape.model = "demo";
+  config.verify = true;
+  config.json_file = MakeTempDir("demo") + "/out.json";
+  const Outcome outcome = RunConfig(config);
+  ASSERT_EQ(outcome.exit_code, kExitOk) << outcome.err << outcome.out;
+  const nlohmann::json json = ReadJson(config.json_file);
+  EXPECT_EQ(json["requests"], 200);
+  EXPECT_TRUE(json["errors"].empty()) << json["errors"];
+  EXPECT_EQ(json["server_compute_us"]["count"], 200);
+  EXPECT_FALSE(json["batch_sizes"].empty());
+  EXPECT_THAT(outcome.out, HasSubstr("model demo, query [1, 16, 64] float32"));
+}
+
+TEST_F(LoadtestServerTest, RawStreamWithWeightsAndMasksPassesVerify) {
+  LoadtestConfig config = Config();
+  config.stream = true;
+  config.shape.heads = 4;
+  config.shape.key_len = 24;
+  config.shape.need_weights = true;
+  config.mask = "attn_mask";
+  config.dtype = "bfloat16";
+  config.verify = true;
+  config.thresholds = {"errors<1"};
+  const Outcome outcome = RunConfig(config);
+  EXPECT_EQ(outcome.exit_code, kExitOk) << outcome.err << outcome.out;
+  EXPECT_THAT(outcome.out, HasSubstr("requests       200 "));
+}
+
+TEST_F(LoadtestServerTest, OpenLoopWithWarmUpAndPoissonArrivals) {
+  LoadtestConfig config = Config();
+  config.concurrency = 0;
+  config.requests = 0;
+  config.rate = 200;
+  config.arrival = "poisson";
+  config.duration = absl::Milliseconds(500);
+  config.warmup = absl::Milliseconds(200);
+  config.mask = "causal";
+  config.verify = true;
+  config.thresholds = {"errors<1"};
+  const Outcome outcome = RunConfig(config);
+  EXPECT_EQ(outcome.exit_code, kExitOk) << outcome.err << outcome.out;
+  EXPECT_THAT(outcome.out, HasSubstr("poisson arrivals"));
+}
+
+// --expected: the answers must hold the values of a saved response, which the
+// seeded request makes reproducible.
+TEST_F(LoadtestServerTest, AnswersAreComparedWithAnExpectedResponse) {
+  LoadtestConfig config = Config();
+  config.shape.model = "demo";
+  config.requests = 50;
+  absl::StatusOr<v1::GetModelResponse> model = client().GetModel("demo");
+  ASSERT_TRUE(model.ok()) << model.status();
+  absl::StatusOr<v1::AttendRequest> request = BuildRequest(config.shape, &model->config());
+  ASSERT_TRUE(request.ok()) << request.status();
+  absl::StatusOr<v1::AttendResponse> response = client().Attend(*request);
+  ASSERT_TRUE(response.ok()) << response.status();
+
+  const std::string dir = MakeTempDir("expected");
+  std::string json;
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(*response, &json).ok());
+  config.expected_file = dir + "/expected.json";
+  testing::WriteFile(config.expected_file, json);
+  config.thresholds = {"errors<1"};
+  Outcome outcome = RunConfig(config);
+  EXPECT_EQ(outcome.exit_code, kExitOk) << outcome.err << outcome.out;
+
+  // The same file with one output value moved by 0.5.
+  std::vector<float> values = *client::ReadFloats(response->output());
+  values[3] += 0.5f;
+  const std::vector<int64_t> shape(response->output().shape().begin(),
+                                   response->output().shape().end());
+  *response->mutable_output() = *client::MakeFloatTensor(shape, values);
+  json.clear();
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(*response, &json).ok());
+  testing::WriteFile(config.expected_file, json);
+  outcome = RunConfig(config);
+  EXPECT_EQ(outcome.exit_code, kExitThreshold) << outcome.err << outcome.out;
+  EXPECT_THAT(outcome.out, HasSubstr("VERIFY_FAILED 50"));
+  EXPECT_THAT(outcome.out, HasSubstr("output: element 3 is"));
+}
+
+TEST_F(LoadtestServerTest, SetupErrorsExitWithOne) {
+  LoadtestConfig config = Config();
+  config.shape.model = "nope";
+  Outcome outcome = RunConfig(config);
+  EXPECT_EQ(outcome.exit_code, kExitSetup);
+  EXPECT_THAT(outcome.err, HasSubstr("error: model nope on"));
+
+  config = Config();
+  config.rate = 10;
+  outcome = RunConfig(config);
+  EXPECT_EQ(outcome.exit_code, kExitSetup);
+  EXPECT_THAT(outcome.err, HasSubstr("one of --concurrency, --rate and --schedule"));
+
+  config = Config();
+  config.mask = "diagonal";
+  EXPECT_THAT(RunConfig(config).err, HasSubstr("mask \"diagonal\""));
+
+  config = Config();
+  config.concurrency = 0;
+  config.schedule = "rate:10@1s";
+  config.duration = absl::Seconds(1);
+  EXPECT_THAT(RunConfig(config).err, HasSubstr("--duration and --schedule"));
+}
+
+// --- the binary -------------------------------------------------------------
+
+#if defined(__SANITIZE_THREAD__)
+// The binary of a ThreadSanitizer build has no tests/tsan_absl_sync.cc, so
+// TSan would take every absl::Mutex-guarded access in it for a race; its code
+// is checked in this process, where the runner tests run it.
+constexpr char kEnvironment[] = "TSAN_OPTIONS=report_bugs=0 ";
+#else
+constexpr char kEnvironment[] = "";
+#endif
+
+// Runs attention_loadtest with `args` (shell words, quoted as needed).
+Outcome RunBinary(const std::string& args) {
+  const std::string dir = MakeTempDir("binary");
+  const std::string command = absl::StrCat(kEnvironment, ATTENTION_LOADTEST_BIN, " ", args, " >",
+                                           dir, "/out 2>", dir, "/err");
+  Outcome outcome;
+  const int status = std::system(command.c_str());
+  outcome.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  outcome.out = ReadWholeFile(dir + "/out");
+  outcome.err = ReadWholeFile(dir + "/err");
+  return outcome;
+}
+
+class LoadtestBinaryTest : public ::testing::Test {
+ protected:
+  // Two targets and a short closed loop.
+  std::string Load() const {
+    return absl::StrCat("--target ", first_.address(), " --target=", second_.address(),
+                        " --concurrency 2 --requests 100 --seq_len 4 --embed_dim 8");
+  }
+
+  FakeAttentionServer first_;
+  FakeAttentionServer second_;
+};
+
+TEST_F(LoadtestBinaryTest, ABrokenThresholdExitsWithTwoAndSaysWhich) {
+  const Outcome outcome =
+      RunBinary(absl::StrCat(Load(), " --threshold 'p99<1ns' --threshold 'errors<1%'"));
+  EXPECT_EQ(outcome.exit_code, kExitThreshold) << outcome.err;
+  EXPECT_THAT(outcome.out, HasSubstr("BROKEN: p99<1ns: p99 is"));
+  EXPECT_THAT(outcome.out, HasSubstr("ok: errors<1%: errors are 0%"));
+  EXPECT_EQ(first_.attend_calls(), 50);
+  EXPECT_EQ(second_.attend_calls(), 50);
+}
+
+TEST_F(LoadtestBinaryTest, KeptThresholdsExitWithZero) {
+  const Outcome outcome = RunBinary(absl::StrCat(Load(), " --threshold 'p99<10s,errors<1'"));
+  EXPECT_EQ(outcome.exit_code, kExitOk) << outcome.err;
+  EXPECT_THAT(outcome.out, Not(HasSubstr("BROKEN")));
+  EXPECT_THAT(outcome.out, HasSubstr("requests       100 "));
+}
+
+TEST_F(LoadtestBinaryTest, ABadCommandLineExitsWithOne) {
+  Outcome outcome = RunBinary(absl::StrCat(Load(), " --threshold 'p99<20'"));
+  EXPECT_EQ(outcome.exit_code, kExitSetup);
+  EXPECT_THAT(outcome.err, HasSubstr("error: threshold \"p99<20\""));
+  outcome = RunBinary("--no_such_flag");
+  EXPECT_EQ(outcome.exit_code, kExitSetup);
+  outcome = RunBinary(absl::StrCat(Load(), " extra"));
+  EXPECT_EQ(outcome.exit_code, kExitSetup);
+  EXPECT_THAT(outcome.err, HasSubstr("unexpected argument \"extra\""));
+}
+
+TEST_F(LoadtestBinaryTest, HistogramLogsOfTwoRunsMergeIntoOne) {
+  const std::string dir = MakeTempDir("merge");
+  for (const char* name : {"a", "b"}) {
+    const Outcome outcome = RunBinary(absl::StrCat(Load(), " --histogram_log ", dir, "/", name,
+                                                   ".hlog --csv ", dir, "/runs.csv"));
+    ASSERT_EQ(outcome.exit_code, kExitOk) << outcome.err;
+  }
+  const Outcome merged = RunBinary(absl::StrCat("merge ", dir, "/a.hlog ", dir, "/b.hlog --json ",
+                                                dir, "/merged.json --threshold 'errors<1'"));
+  ASSERT_EQ(merged.exit_code, kExitOk) << merged.err;
+  EXPECT_THAT(merged.out, HasSubstr("merged histogram logs"));
+  const nlohmann::json json = ReadJson(dir + "/merged.json");
+  EXPECT_EQ(json["requests"], 200);
+  EXPECT_EQ(json["latency_us"]["count"], 200);
+  // Two rows under one header.
+  const std::vector<std::string> lines =
+      absl::StrSplit(ReadWholeFile(dir + "/runs.csv"), '\n', absl::SkipEmpty());
+  EXPECT_EQ(lines.size(), 3u);
+
+  const Outcome broken = RunBinary(absl::StrCat("merge ", dir, "/runs.csv"));
+  EXPECT_EQ(broken.exit_code, kExitSetup);
+  EXPECT_THAT(broken.err, HasSubstr("not a histogram log"));
+}
+
+}  // namespace
+}  // namespace attention::loadtest

@@ -1,0 +1,248 @@
+// The runner against in-process fake servers on 127.0.0.1:0. The timed
+// assertions are the issue's: the achieved rate, and a stall that only the
+// corrected latency shows; their tolerances leave room for a shared machine.
+
+#include "client/loadtest/runner.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/loadtest/schedule.h"
+#include "client/loadtest/workload.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/fake_server.h"
+#include "tests/status_matchers.h"
+
+namespace attention::loadtest {
+namespace {
+
+using ::attention::testing::FakeAttentionServer;
+using ::attention::testing::StatusIs;
+using ::testing::HasSubstr;
+
+v1::AttendRequest SmallRequest(const std::string& id = "loadtest") {
+  ShapeOptions shape;
+  shape.query_len = 4;
+  shape.embed_dim = 8;
+  v1::AttendRequest request = *BuildRequest(shape, nullptr);
+  request.set_id(id);
+  return request;
+}
+
+RunOptions Options(const std::vector<const FakeAttentionServer*>& servers) {
+  RunOptions options;
+  for (const FakeAttentionServer* server : servers) options.targets.push_back(server->address());
+  options.connect_timeout = absl::Seconds(5);
+  return options;
+}
+
+RunResult RunOk(const RunOptions& options, const v1::AttendRequest& request = SmallRequest()) {
+  absl::StatusOr<RunResult> result = RunLoad(options, request);
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *std::move(result) : RunResult{};
+}
+
+TEST(RunnerTest, OpenLoopHoldsItsRateWithinTwoPercent) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.schedule = Schedule::Constant(LoadKind::kRate, 1000, absl::Seconds(3));
+  const LoadStats stats = RunOk(options).stats;
+  EXPECT_EQ(stats.sent, 3000);
+  EXPECT_EQ(stats.requests(), 3000);
+  EXPECT_EQ(stats.errors(), 0) << stats.first_error;
+  EXPECT_NEAR(stats.sent_rps(), 1000, 20);
+}
+
+// The bug every closed-loop tester has (coordinated omission): while the
+// server stalls, the tester does not send, so only the one call in flight
+// sees the stall. An open loop keeps its schedule; with one call in flight
+// allowed, the calls due during the stall go out late, and only the latency
+// from their intended send time shows what their callers would have waited.
+TEST(RunnerTest, AStallShowsInTheCorrectedP99AndNotTheUncorrectedOne) {
+  FakeAttentionServer server;
+  server.StallCall(500, absl::Milliseconds(500));
+  RunOptions options = Options({&server});
+  options.schedule = Schedule::Constant(LoadKind::kRate, 1000, absl::Seconds(2));
+  options.max_in_flight = 1;
+  const LoadStats stats = RunOk(options).stats;
+  EXPECT_EQ(stats.requests(), 2000);
+  EXPECT_EQ(stats.errors(), 0) << stats.first_error;
+  // About 500 calls were due during the stall, late by up to 500 ms.
+  EXPECT_GE(stats.latency.ValueAtQuantile(0.99), 400'000'000);
+  EXPECT_LT(stats.uncorrected_latency.ValueAtQuantile(0.99), 100'000'000);
+  EXPECT_GE(stats.uncorrected_latency.max(), 500'000'000) << "the stalled call itself";
+  EXPECT_GE(stats.send_lateness.max(), 400'000'000);
+}
+
+TEST(RunnerTest, RoundRobinSpreadsCallsEvenlyOverThreeServers) {
+  FakeAttentionServer a, b, c;
+  RunOptions options = Options({&a, &b, &c});
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 4, absl::InfiniteDuration());
+  options.max_requests = 900;
+  const LoadStats stats = RunOk(options).stats;
+  EXPECT_EQ(stats.requests(), 900);
+  const int64_t calls[] = {a.attend_calls(), b.attend_calls(), c.attend_calls()};
+  const auto [fewest, most] = std::minmax_element(std::begin(calls), std::end(calls));
+  EXPECT_LE(*most - *fewest, *most / 10) << calls[0] << " " << calls[1] << " " << calls[2];
+}
+
+// dns:/// names work the same way: gRPC resolves a target to addresses and
+// its round_robin policy spreads the calls over them.
+TEST(RunnerTest, ATargetOfSeveralAddressesIsSpreadOverThemAll) {
+  FakeAttentionServer a, b;
+  RunOptions options;
+  options.targets = {absl::StrCat("ipv4:", a.address(), ",", b.address())};
+  options.connect_timeout = absl::Seconds(5);
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
+  options.max_requests = 400;
+  EXPECT_EQ(RunOk(options).stats.requests(), 400);
+  // The second address may connect a little after the first.
+  EXPECT_GT(a.attend_calls(), 100);
+  EXPECT_GT(b.attend_calls(), 100);
+}
+
+TEST(RunnerTest, ConnectionsAreSeparateTcpConnections) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.connections = 3;
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 3, absl::InfiniteDuration());
+  options.max_requests = 30;
+  RunOk(options);
+  EXPECT_EQ(server.distinct_peers(), 3u);
+}
+
+TEST(RunnerTest, ClosedLoopSendsExactlyTheRequestsAfterTheWarmUp) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 8, absl::InfiniteDuration());
+  options.max_requests = 1000;
+  options.warmup = absl::Milliseconds(200);
+  options.threads = 2;
+  const RunResult result = RunOk(options);
+  EXPECT_EQ(result.stats.requests(), 1000);
+  EXPECT_EQ(result.stats.sent, 1000);
+  EXPECT_GT(server.attend_calls(), 1000) << "the warm-up's calls come on top";
+  EXPECT_EQ(result.stats.server_compute.count(), 1000);
+  EXPECT_EQ(result.stats.server_compute.max(), 7'000);  // the fake's compute_us 7
+  ASSERT_EQ(result.stats.batch_sizes.size(), 2u);
+  EXPECT_EQ(result.stats.batch_sizes[1], 1000);
+}
+
+TEST(RunnerTest, StreamsCarryEveryMessageAndItsLatency) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.stream = true;
+  options.connections = 2;
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 6, absl::InfiniteDuration());
+  options.max_requests = 600;
+  const LoadStats stats = RunOk(options).stats;
+  EXPECT_EQ(stats.requests(), 600);
+  EXPECT_EQ(stats.errors(), 0) << stats.first_error;
+  EXPECT_EQ(stats.latency.count(), 600);
+  EXPECT_EQ(stats.server_queue.max(), 3'000);  // the fake's queue_us 3
+}
+
+TEST(RunnerTest, OpenLoopOnAStream) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.stream = true;
+  options.schedule = Schedule::Constant(LoadKind::kRate, 500, absl::Milliseconds(400));
+  const LoadStats stats = RunOk(options).stats;
+  EXPECT_EQ(stats.requests(), 200);
+  EXPECT_EQ(stats.errors(), 0) << stats.first_error;
+}
+
+TEST(RunnerTest, ErrorsAreCountedByCode) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
+  options.max_requests = 20;
+  const LoadStats stats = RunOk(options, SmallRequest("fail")).stats;
+  EXPECT_EQ(stats.calls_by_code[3], 20);  // INVALID_ARGUMENT
+  EXPECT_EQ(stats.errors(), 20);
+  EXPECT_EQ(stats.first_error,
+            "INVALID_ARGUMENT: mask.valid_lens: shape [3] does not match batch size 2");
+
+  // Stream messages carry the runner's ids; a query the fake cannot read
+  // makes each of them fail instead.
+  options.stream = true;
+  v1::AttendRequest unreadable = SmallRequest();
+  unreadable.mutable_query()->set_dtype(v1::Tensor::INT64);
+  const LoadStats streamed = RunOk(options, unreadable).stats;
+  EXPECT_EQ(streamed.calls_by_code[3], 20) << streamed.first_error;
+  EXPECT_THAT(streamed.first_error, HasSubstr("INVALID_ARGUMENT: query: dtype INT64"));
+}
+
+TEST(RunnerTest, CallsPastTheirTimeoutAreDeadlineExceeded) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.client.timeout = absl::Milliseconds(100);
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
+  options.max_requests = 4;
+  const LoadStats stats = RunOk(options, SmallRequest("hang")).stats;
+  EXPECT_EQ(stats.calls_by_code[4], 4) << stats.first_error;  // DEADLINE_EXCEEDED
+  EXPECT_GE(stats.latency.min(), 100'000'000);
+}
+
+TEST(RunnerTest, VerifyCountsAnswersOfTheWrongShape) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
+  options.max_requests = 10;
+  // The fake echoes the query, [1, 4, 8]; say [1, 4, 4] is due.
+  absl::StatusOr<Verifier> verifier =
+      Verifier::Create({.output = {1, 4, 4}, .weights = std::nullopt}, {}, 0, 0);
+  ASSERT_TRUE(verifier.ok()) << verifier.status();
+  options.verifier = &*verifier;
+  const LoadStats stats = RunOk(options).stats;
+  EXPECT_EQ(stats.verify_failures, 10);
+  EXPECT_EQ(stats.errors(), 10);
+  EXPECT_THAT(stats.first_error,
+              HasSubstr("VERIFY_FAILED: output: shape [1, 4, 8], want [1, 4, 4]"));
+}
+
+TEST(RunnerTest, ConcurrencyStepsFollowTheSchedule) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.schedule = *Schedule::Parse("concurrency:1@300ms,4@300ms");
+  options.progress_interval = absl::Milliseconds(100);
+  const RunResult result = RunOk(options);
+  ASSERT_FALSE(result.timeline.empty());
+  EXPECT_EQ(result.timeline.front().target, 1);
+  EXPECT_EQ(result.timeline[result.timeline.size() / 2 + 1].target, 4);
+  EXPECT_GT(result.stats.requests(), 0);
+  EXPECT_EQ(result.stats.errors(), 0);
+}
+
+TEST(RunnerTest, AnUnreachableTargetFailsTheRun) {
+  std::string address;
+  {
+    FakeAttentionServer gone;
+    address = gone.address();
+  }
+  RunOptions options;
+  options.targets = {address};
+  options.connect_timeout = absl::Milliseconds(300);
+  EXPECT_THAT(RunLoad(options, SmallRequest()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot connect to " + address)));
+}
+
+TEST(RunnerTest, RejectsOptionsOutOfRange) {
+  RunOptions options;
+  EXPECT_THAT(RunLoad(options, SmallRequest()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no target")));
+  options.targets = {"127.0.0.1:1"};
+  options.threads = 0;
+  EXPECT_THAT(RunLoad(options, SmallRequest()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("threads")));
+}
+
+}  // namespace
+}  // namespace attention::loadtest
