@@ -1,5 +1,6 @@
 #include "client/attention_client.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -31,6 +32,8 @@ namespace attention::client {
 namespace {
 
 constexpr int64_t kMaxMessageMb = std::numeric_limits<int>::max() / (int64_t{1} << 20);
+// gRPC caps a retry policy's maxAttempts at 5.
+constexpr int kMaxAttempts = 5;
 
 // The whole of `path`; INVALID_ARGUMENT naming `option` and the file.
 absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::string& path) {
@@ -69,6 +72,35 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   return grpc::SslCredentials(ssl);
 }
 
+// The channel's service config: a retry policy for UNAVAILABLE on the unary
+// methods, which are idempotent (Attend computes and keeps nothing). Streams
+// stay out: a retried stream would resend every message written so far. The
+// throttle stops retrying on the channel after a run of failures (5 more than
+// a tenth of its successes), so a server that is going away or overloaded is
+// not sent several times its load.
+std::string ServiceConfig(int max_attempts) {
+  if (max_attempts == 1) return "{}";
+  return absl::StrCat(R"json({"methodConfig": [{"name": [
+    {"service": "attention.v1.AttentionService", "method": "Attend"},
+    {"service": "attention.v1.AttentionService", "method": "GetServerInfo"},
+    {"service": "attention.v1.AttentionService", "method": "ListModels"},
+    {"service": "attention.v1.AttentionService", "method": "GetModel"},
+    {"service": "grpc.health.v1.Health", "method": "Check"}],
+  "retryPolicy": {"maxAttempts": )json",
+                      max_attempts, R"json(, "initialBackoff": "0.1s", "maxBackoff": "1s",
+    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}],
+"retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}})json");
+}
+
+// Whole milliseconds of `d`, for channel arguments; 0 when not positive or
+// too long for an int.
+int PositiveMillis(absl::Duration d) {
+  if (d <= absl::ZeroDuration() || d > absl::Milliseconds(std::numeric_limits<int>::max())) {
+    return 0;
+  }
+  return static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(d)));
+}
+
 absl::Status ToAbslStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
@@ -104,7 +136,26 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
     return absl::InvalidArgumentError(absl::StrCat("max_message_mb is ", options.max_message_mb,
                                                    ", must be in [1, ", kMaxMessageMb, "]"));
   }
+  if (options.max_attempts < 1 || options.max_attempts > kMaxAttempts) {
+    return absl::InvalidArgumentError(absl::StrCat("max_attempts is ", options.max_attempts,
+                                                   ", must be in [1, ", kMaxAttempts, "]"));
+  }
+  const int backoff_initial_ms = PositiveMillis(options.reconnect_backoff_initial);
+  const int backoff_max_ms = PositiveMillis(options.reconnect_backoff_max);
+  const int backoff_min_ms = PositiveMillis(options.reconnect_backoff_min);
+  if (backoff_initial_ms == 0 || backoff_max_ms == 0 || backoff_min_ms == 0 ||
+      backoff_initial_ms > backoff_max_ms) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reconnect backoffs must be positive and finite with initial <= max; got initial ",
+        absl::FormatDuration(options.reconnect_backoff_initial), ", max ",
+        absl::FormatDuration(options.reconnect_backoff_max), ", min ",
+        absl::FormatDuration(options.reconnect_backoff_min)));
+  }
   grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, backoff_initial_ms);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, backoff_max_ms);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, backoff_min_ms);
+  args.SetServiceConfigJSON(ServiceConfig(options.max_attempts));
   const int max_bytes = static_cast<int>(options.max_message_mb << 20);
   args.SetMaxSendMessageSize(max_bytes);
   args.SetMaxReceiveMessageSize(max_bytes);

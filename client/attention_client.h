@@ -33,6 +33,23 @@ struct ClientOptions {
   // Applied to each call unless the call passes its own. Zero, negative or
   // infinite: no deadline.
   absl::Duration timeout = absl::Seconds(30);
+  // Reconnecting after a connection fails or is refused: the first wait, and
+  // the most it grows to (x1.6 per failure, +-20% jitter). gRPC's own 1 s up
+  // to 120 s leaves a channel failing every call fast with UNAVAILABLE for
+  // minutes after its server came back; these reconnect within ~2 s.
+  absl::Duration reconnect_backoff_initial = absl::Milliseconds(100);
+  absl::Duration reconnect_backoff_max = absl::Seconds(2);
+  // gRPC's GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, which is not a backoff: the
+  // least time a connection attempt (TCP, TLS, HTTP/2) gets before it is
+  // given up, 20 s by default. Shorter notices a silent peer sooner; not much
+  // shorter, or a slow TLS handshake would never complete.
+  absl::Duration reconnect_backoff_min = absl::Seconds(1);
+  // Unary calls failing UNAVAILABLE (no connection, a server going away) are
+  // retried by gRPC, this many attempts in all, 0.1 s to 1 s apart (the
+  // channel's service config); 1 turns retries off, at most 5. Streams are
+  // never retried. Calls still fail fast when every address is down: the
+  // service config does not set waitForReady.
+  int max_attempts = 4;
   // Give the channel TCP connections of its own. By default, channels with the
   // same target and options share them; a load tester opening several
   // connections to one server sets this.
@@ -43,9 +60,11 @@ struct ClientOptions {
 class AttentionClient {
  public:
   // INVALID_ARGUMENT for an empty target, a max_message_mb outside
-  // [1, 2047], only one of tls_cert_file and tls_key_file, or a TLS file that
-  // cannot be read (naming it). Connects lazily: an unreachable target or a
-  // failed TLS handshake fails the first call with UNAVAILABLE.
+  // [1, 2047], a max_attempts outside [1, 5], reconnect backoffs that are not
+  // positive and finite (or initial > max), only one of tls_cert_file and
+  // tls_key_file, or a TLS file that cannot be read (naming it). Connects
+  // lazily: an unreachable target or a failed TLS handshake fails the first
+  // call with UNAVAILABLE.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(const ClientOptions& options);
 
   AttentionClient(const AttentionClient&) = delete;

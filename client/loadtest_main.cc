@@ -22,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/attention_client.h"
 #include "client/loadtest/loadtest.h"
 #include "client/loadtest/thresholds.h"
 
@@ -100,6 +101,13 @@ ABSL_FLAG(std::string, tls_cert, "", "With --tls_key: present this client certif
 ABSL_FLAG(std::string, tls_key, "", "The private key of --tls_cert (PEM)");
 ABSL_FLAG(std::string, tls_server_name, "", "Expect the server's certificate to name this");
 ABSL_FLAG(int64_t, max_message_mb, 256, "Largest message sent or received");
+ABSL_FLAG(int, max_attempts, attention::client::ClientOptions().max_attempts,
+          "Attempts per call, retries of UNAVAILABLE included (gRPC's retry policy, 0.1s to 1s "
+          "apart); 1 turns retries off, at most 5. An error counts once, after the last attempt");
+ABSL_FLAG(absl::Duration, reconnect_backoff_max,
+          attention::client::ClientOptions().reconnect_backoff_max,
+          "Longest wait between attempts to reconnect to a target that is down (from 100ms, "
+          "x1.6 per failure)");
 
 namespace {
 
@@ -202,6 +210,8 @@ attention::loadtest::LoadtestConfig ConfigFromFlags() {
   config.client.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   config.client.tls_server_name_override = absl::GetFlag(FLAGS_tls_server_name);
   config.client.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  config.client.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  config.client.reconnect_backoff_max = absl::GetFlag(FLAGS_reconnect_backoff_max);
   return config;
 }
 

@@ -9,6 +9,16 @@
 #                                              the server's exit code
 #   server_kill                                SIGKILL if still running; for traps
 #   server_fail MESSAGE                        prints MESSAGE and the server's log, exits 1
+#   server_metrics_port                        the --metrics_port 0 server's metrics port,
+#                                              from its log
+#   metric PORT SAMPLE                         a Prometheus sample's value (0 if absent)
+#   wait_bounded PID SECONDS                   waits for background PID, returns its exit
+#                                              code; fails if it still runs then
+#   unexpected_errors REPORT ALLOWED           the error codes of an attention_loadtest
+#                                              --json REPORT not in ALLOWED (a jq array)
+#
+# Several servers: call server_start once per WORKDIR and keep each one's
+# SERVER_PID, SERVER_PORT and SERVER_LOG; the functions act on the current ones.
 
 SERVER_PID=""
 SERVER_PORT=""
@@ -69,4 +79,38 @@ server_kill() {
     wait "$SERVER_PID" 2>/dev/null || true
   fi
   SERVER_PID=""
+}
+
+server_metrics_port() {
+  local port
+  port=$(sed -n 's/.*metrics on http:\/\/127.0.0.1:\([0-9]*\)\/metrics.*/\1/p' "$SERVER_LOG" | head -n 1)
+  [[ $port =~ ^[0-9]+$ ]] || server_fail "no metrics port in the server's log"
+  echo "$port"
+}
+
+# bash's /dev/tcp, so no HTTP client is needed.
+metric() {
+  local body
+  exec 3<>"/dev/tcp/127.0.0.1/$1"
+  printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+  body=$(cat <&3)
+  exec 3<&-
+  awk -v name="$2" '$1 == name { print $2; found = 1 } END { if (!found) print 0 }' <<<"$body"
+}
+
+wait_bounded() {
+  local pid=$1 limit=$2 _ status=0
+  for _ in $(seq $((limit * 10))); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -0 "$pid" 2>/dev/null && server_fail "process $pid still runs after $limit s: it hangs"
+  wait "$pid" || status=$?
+  return "$status"
+}
+
+unexpected_errors() {
+  jq -r --argjson allowed "$2" \
+    '.errors | to_entries | map(select(.key as $k | $allowed | index($k) | not))
+     | map("\(.key) x\(.value)") | join(", ")' "$1"
 }

@@ -293,6 +293,11 @@ class Runner {
 
  private:
   void Start(int64_t intended_ns, bool measured);
+  // Call `n`'s channel: round robin, passing over channels whose target is
+  // down (TRANSIENT_FAILURE, until they reconnect) while another one is not,
+  // as gRPC's round_robin does with the addresses of one channel. Calls to a
+  // down target would fail at once, and gRPC's retries stay on their channel.
+  size_t PickChannel(uint64_t n);
   void StartUnary(Worker& worker, Channel& channel, int64_t intended_ns, bool measured);
   void SendOnStream(StreamSlot& slot, int64_t intended_ns, bool measured);
   // Every call's end: counters, then the next call of a closed loop or a free
@@ -334,6 +339,7 @@ class Runner {
   Clock::time_point start_;
 
   std::atomic<uint64_t> next_call_{0};
+  std::atomic<uint64_t> next_skip_{0};  // PickChannel's stand-ins
   std::atomic<uint64_t> next_seq_{0};
   std::atomic<int64_t> sent_{0};
   std::atomic<int64_t> measured_sent_{0};
@@ -662,12 +668,30 @@ void Runner::Start(int64_t intended_ns, bool measured) {
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   if (measured) measured_sent_.fetch_add(1, std::memory_order_relaxed);
   const uint64_t n = next_call_.fetch_add(1, std::memory_order_relaxed);
+  const size_t channel = PickChannel(n);
   if (options_.stream) {
-    SendOnStream(*slots_[n % slots_.size()], intended_ns, measured);
+    SendOnStream(*slots_[channel], intended_ns, measured);
   } else {
-    StartUnary(*workers_[n % workers_.size()], channels_[n % channels_.size()], intended_ns,
-               measured);
+    StartUnary(*workers_[n % workers_.size()], channels_[channel], intended_ns, measured);
   }
+}
+
+size_t Runner::PickChannel(uint64_t n) {
+  const size_t size = channels_.size();
+  const size_t first = n % size;
+  auto down = [this](size_t i) {
+    return channels_[i].channel->GetState(/*try_to_connect=*/false) ==
+           GRPC_CHANNEL_TRANSIENT_FAILURE;
+  };
+  if (size == 1 || !down(first)) return first;
+  // The stand-ins rotate too, so a down channel's share spreads evenly over
+  // the others rather than all going to its neighbour.
+  const uint64_t skip = next_skip_.fetch_add(1, std::memory_order_relaxed);
+  for (size_t i = 0; i < size - 1; ++i) {
+    const size_t candidate = (first + 1 + (skip + i) % (size - 1)) % size;
+    if (!down(candidate)) return candidate;
+  }
+  return first;
 }
 
 void Runner::StartUnary(Worker& worker, Channel& channel, int64_t intended_ns, bool measured) {

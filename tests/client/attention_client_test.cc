@@ -50,6 +50,39 @@ TEST(AttentionClientCreateTest, RejectsMessageLimitOutsideRange) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_message_mb is 4096")));
 }
 
+TEST(AttentionClientCreateTest, RejectsRetryAttemptsOutsideRange) {
+  ClientOptions options;
+  options.max_attempts = 0;
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("max_attempts is 0, must be in [1, 5]")));
+  options.max_attempts = 6;
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_attempts is 6")));
+}
+
+TEST(AttentionClientCreateTest, RejectsBadReconnectBackoffs) {
+  ClientOptions options;
+  options.reconnect_backoff_initial = absl::ZeroDuration();
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("got initial 0, max 2s")));
+  options.reconnect_backoff_initial = absl::Seconds(3);
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("initial <= max")));
+  options.reconnect_backoff_initial = absl::Milliseconds(100);
+  options.reconnect_backoff_min = absl::InfiniteDuration();
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("min inf")));
+}
+
+TEST_F(AttentionClientTest, WorksWithRetriesOff) {
+  ClientOptions options;
+  options.max_attempts = 1;
+  std::unique_ptr<AttentionClient> client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  EXPECT_THAT(client->GetServerInfo(), IsOk());
+}
+
 TEST_F(AttentionClientTest, AttendReturnsTheResponse) {
   std::unique_ptr<AttentionClient> client = Connect();
   ASSERT_NE(client, nullptr);

@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# Soak test (README "Reliability"): one attention_server under MINUTES of mixed
+# traffic at 70% of its measured capacity, watching for errors, memory growth
+# and leaked file descriptors.
+#
+#   valid      model demo (50% of the calls) and raw B1 H4 L=S=32 E=64 (30%)
+#   invalid    a request whose tensor bytes do not match its shape (10%):
+#              INVALID_ARGUMENT expected
+#   cancelled  raw B1 H4 L=S=256 E=256 with weights and a 1 ms deadline (10%,
+#              at most 50/s): DEADLINE_EXCEEDED (or CANCELLED, or OK when one
+#              is fast enough) expected; exercises the server's cancellation
+#
+# each an attention_loadtest open loop. Capacity is the highest total rate of
+# this mix that is answered in full (probed down from a closed loop's rate), so
+# the load testers' own CPU counts. Every 2 s it samples the server's RSS
+# (VmRSS) and open fds. Fails (exit 1) on an unexpected error, RSS growing 5% or
+# more from the end of the warm-up (20% of the run, at least 30 s or half of a
+# short run, at most 2 min) to the end, more than 4 fds more at any time than after the
+# warm-up, or a traffic class answered at under 90% of its target rate.
+#
+# Usage: deploy/soak.sh [MINUTES [SERVER_BIN CLI_BIN LOADTEST_BIN]]
+#   MINUTES defaults to 10. Without binaries: installs what is missing
+#   (deploy/install-deps.sh) and builds them into build/ (as deploy/test.sh).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+minutes=${1:-10}
+[[ $minutes =~ ^[0-9]+$ && $minutes -gt 0 ]] || { echo "soak: MINUTES must be a positive integer" >&2; exit 2; }
+if [[ $# -ge 4 ]]; then
+  server_bin=$2 cli_bin=$3 loadtest_bin=$4
+elif [[ $# -le 1 ]]; then
+  # build/, as deploy/test.sh builds it: after the tests, nothing to rebuild.
+  bash deploy/install-deps.sh
+  cmake -S . -B build -G Ninja
+  cmake --build build -j2 --target attention_server attention_cli attention_loadtest
+  server_bin=build/attention_server cli_bin=build/attention_cli
+  loadtest_bin=build/attention_loadtest
+else
+  echo "usage: $0 [MINUTES [SERVER_BIN CLI_BIN LOADTEST_BIN]]" >&2
+  exit 2
+fi
+
+source deploy/server_control.sh
+
+tmp=$(mktemp -d)
+loadtest_pids=()
+cleanup() {
+  for pid in "${loadtest_pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  server_kill
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+server_start "$server_bin" "$tmp" --metrics_port 0
+server_wait_serving "$cli_bin"
+target=127.0.0.1:$SERVER_PORT
+
+# --- the traffic ------------------------------------------------------------------
+# A [1, 4, 64] float32 query needs 1024 bytes; this one has 12.
+printf '{"model": "demo", "query": {"shape": [1, 4, 64], "data": "AAAAAAAAAAAAAAAA"}}' \
+  >"$tmp/invalid.json"
+classes=(valid_demo valid_raw invalid cancelled)
+declare -A rate flags allowed
+flags[valid_demo]="--model demo --timeout 10s"
+flags[valid_raw]="--seq_len 16 --embed_dim 64 --heads 4 --timeout 10s"
+flags[invalid]="--request $tmp/invalid.json --timeout 10s"
+flags[cancelled]="--seq_len 256 --embed_dim 256 --heads 4 --need_weights --timeout 1ms"
+allowed[valid_demo]='[]'
+allowed[valid_raw]='[]'
+allowed[invalid]='["INVALID_ARGUMENT"]'
+allowed[cancelled]='["DEADLINE_EXCEEDED", "CANCELLED"]'
+
+# set_rates TOTAL: each class's share of TOTAL calls/s.
+set_rates() {
+  rate[valid_demo]=$(jq -n --argjson t "$1" '$t * 0.5')
+  rate[valid_raw]=$(jq -n --argjson t "$1" '$t * 0.3')
+  rate[invalid]=$(jq -n --argjson t "$1" '$t * 0.1')
+  rate[cancelled]=$(jq -n --argjson t "$1" '[$t * 0.1, 20] | min')
+}
+
+# start_mix SECONDS PREFIX: the four classes as open loops in the background,
+# reports in $tmp/PREFIX.CLASS.json; their pids in loadtest_pids.
+start_mix() {
+  local class
+  loadtest_pids=()
+  for class in "${classes[@]}"; do
+    # shellcheck disable=SC2086  # flags[] holds several words
+    "$loadtest_bin" --target "$target" --rate "${rate[$class]}" --duration "$1s" \
+      ${flags[$class]} --progress=false --json "$tmp/$2.$class.json" >"$tmp/$2.$class.out" 2>&1 &
+    loadtest_pids+=($!)
+  done
+}
+
+# check_mix PREFIX: appends to `failures` what broke in the reports of a mix:
+# an unexpected error, a load tester that failed, or a class answered at under
+# 90% of its rate.
+check_mix() {
+  local i class json bad status
+  for i in "${!classes[@]}"; do
+    class=${classes[$i]} json=$tmp/$1.$class.json status=0
+    wait_bounded "${loadtest_pids[$i]}" 30 || status=$?
+    [[ $status -eq 0 ]] || failures+=("$class: attention_loadtest exited $status: $(tail -n 3 "$tmp/$1.$class.out")")
+    [[ -s $json ]] || { failures+=("$class: no report"); continue; }
+    bad=$(unexpected_errors "$json" "${allowed[$class]}")
+    [[ -z $bad ]] || failures+=("$class: unexpected errors: $bad ($(jq -r '.first_error // ""' "$json"))")
+    jq -e --argjson want "${rate[$class]}" '.throughput_rps >= 0.9 * $want' "$json" >/dev/null ||
+      failures+=("$class: answered $(jq .throughput_rps "$json")/s, under 90% of ${rate[$class]}/s")
+  done
+  loadtest_pids=()
+}
+
+# --- capacity -------------------------------------------------------------------
+# The most this mix sustains, load testers included (on a small machine they
+# share the server's cores): a closed loop gives an upper bound, then 5 s open
+# loops of the mix step down from it until one is answered in full without an
+# unexpected error.
+"$loadtest_bin" --target "$target" --model demo --concurrency 32 --warmup 1s --duration 5s \
+  --progress=false --json "$tmp/closed.json" >"$tmp/closed.out" 2>&1 ||
+  server_fail "soak: the capacity run failed: $(cat "$tmp/closed.out")"
+bound=$(jq '.throughput_rps' "$tmp/closed.json")
+capacity=""
+probe=$(jq -n --argjson c "$bound" '$c * 0.9')
+for step in 1 2 3 4 5 6 7 8; do
+  set_rates "$probe"
+  start_mix 5 "probe$step"
+  failures=()
+  check_mix "probe$step"
+  echo "soak: capacity probe at $(printf %.0f "$probe") calls/s: ${failures[*]:-sustained}"
+  if [[ ${#failures[@]} -eq 0 ]]; then
+    capacity=$probe
+    break
+  fi
+  probe=$(jq -n --argjson p "$probe" '$p * 0.8')
+done
+[[ -n $capacity ]] || server_fail "soak: the mix is not sustained even at $(printf %.0f "$probe") calls/s"
+total=$(jq -n --argjson c "$capacity" '$c * 0.7')
+set_rates "$total"
+echo "soak: capacity $(printf %.0f "$capacity") calls/s of the mix (closed loop of model demo: $(printf %.0f "$bound")); ${minutes} min at 70%: $(printf %.0f "$total") calls/s"
+
+# A fresh server for the soak: the probes above overloaded this one, and the
+# memory its full queue took would hide growth (or its return, a fall).
+status=0
+server_stop || status=$?
+[[ $status -eq 0 ]] || server_fail "soak: the server exited with $status after SIGTERM"
+server_start "$server_bin" "$tmp" --metrics_port 0
+server_wait_serving "$cli_bin"
+target=127.0.0.1:$SERVER_PORT
+
+seconds=$((minutes * 60))
+start_mix "$seconds" soak
+
+# --- sampling -------------------------------------------------------------------
+# Warm-up: 20% of the run, but at least 30 s (half of a short run) and at most
+# 2 min. On a busy machine the server's RSS was still rising 30 s in.
+warmup=$(( seconds / 5 ))
+floor=$(( seconds / 2 < 30 ? seconds / 2 : 30 ))
+(( warmup < floor )) && warmup=$floor
+(( warmup > 120 )) && warmup=120
+rss() { awk '$1 == "VmRSS:" { print $2 }' "/proc/$SERVER_PID/status"; }
+fds() { find "/proc/$SERVER_PID/fd" -mindepth 1 -maxdepth 1 | wc -l; }
+rss_warm="" fds_warm="" fds_max=0 rss_end=0 samples=0
+start=$SECONDS
+# Bounded: the runs end after `seconds`, plus their drain (10 s timeouts).
+while (( SECONDS - start < seconds + 60 )); do
+  running=0
+  for pid in "${loadtest_pids[@]}"; do kill -0 "$pid" 2>/dev/null && running=1; done
+  (( running )) || break
+  kill -0 "$SERVER_PID" 2>/dev/null || server_fail "soak: the server died"
+  now_rss=$(rss) now_fds=$(fds)
+  samples=$((samples + 1))
+  echo "$((SECONDS - start)) $now_rss $now_fds" >>"$tmp/samples"
+  if [[ -z $rss_warm ]] && (( SECONDS - start >= warmup )); then
+    rss_warm=$now_rss fds_warm=$now_fds
+  fi
+  if [[ -n $rss_warm ]]; then
+    (( now_fds > fds_max )) && fds_max=$now_fds
+    rss_end=$now_rss
+  fi
+  sleep 2
+done
+[[ -n $rss_warm ]] || server_fail "soak: no sample after the ${warmup} s warm-up"
+
+# --- report ---------------------------------------------------------------------
+failures=()
+check_mix soak
+printf '%-11s %10s %10s %10s %9s  %s\n' class target/s sent/s answered/s requests unexpected
+for class in "${classes[@]}"; do
+  json=$tmp/soak.$class.json
+  [[ -s $json ]] || continue
+  bad=$(unexpected_errors "$json" "${allowed[$class]}")
+  printf '%-11s %10.1f %10.1f %10.1f %9d  %s\n' "$class" "${rate[$class]}" \
+    "$(jq .sent_rps "$json")" "$(jq .throughput_rps "$json")" "$(jq .requests "$json")" "${bad:-0}"
+done
+growth=$(jq -n --argjson a "$rss_warm" --argjson b "$rss_end" '($b - $a) * 100 / $a')
+fd_growth=$((fds_max - fds_warm))
+printf 'server RSS  %d KiB after the %d s warm-up, %d KiB at the end: %+.2f%% (limit < 5%%)\n' \
+  "$rss_warm" "$warmup" "$rss_end" "$growth"
+printf 'server fds  %d after the warm-up, at most %d later: %+d (limit <= 4); %d samples\n' \
+  "$fds_warm" "$fds_max" "$fd_growth" "$samples"
+# The RSS curve, ten points: a leak climbs steadily, a cache levels off.
+printf 'server RSS  over time (s: MiB):'
+awk -v n="$samples" 'n <= 10 || (NR - 1) % int(n / 10) == 0 { printf " %d: %.1f", $1, $2 / 1024 }
+                     END { print "" }' "$tmp/samples"
+jq -e -n --argjson g "$growth" '$g < 5' >/dev/null || failures+=("RSS grew ${growth}%")
+(( fd_growth <= 4 )) || failures+=("fds grew by $fd_growth")
+kill -0 "$SERVER_PID" 2>/dev/null || failures+=("the server died")
+
+if [[ ${#failures[@]} -gt 0 ]]; then
+  printf 'FAIL: soak: %s\n' "${failures[@]}" >&2
+  exit 1
+fi
+status=0
+server_stop || status=$?
+[[ $status -eq 0 ]] || server_fail "soak: the server exited with $status after SIGTERM"
+echo "soak: PASS (${minutes} min)"
