@@ -43,10 +43,13 @@ class ComputeBackend {
   virtual absl::Status LinearBatch(absl::Span<const LinearJob> jobs) = 0;
   virtual std::string name() const = 0;
   virtual std::string isa() const = 0;
+  // Threads a pass may use.
+  virtual int threads() const = 0;
 };
 
 std::unique_ptr<ComputeBackend> MakeReferenceBackend();
-// `threads` OpenMP threads per call. INTERNAL when oneDNN cannot start.
+// Up to `threads` OpenMP threads per call (fewer under OMP_THREAD_LIMIT).
+// INTERNAL when oneDNN cannot start.
 absl::StatusOr<std::unique_ptr<ComputeBackend>> MakeOneDnnBackend(int threads);
 
 }  // namespace attention::internal

@@ -1,5 +1,6 @@
 #include "engine/engine.h"
 
+#include <algorithm>
 #include <deque>
 #include <optional>
 #include <functional>
@@ -29,8 +30,8 @@ absl::Status CheckTensorLimit(const TensorView& v, const char* field, int64_t li
                                                    " elements per tensor"));
 }
 
-absl::Status CheckLimits(const AttentionArgs& args, const AttentionShape& s,
-                         const EngineOptions& o) {
+// Every tensor of `args` against max_tensor_elements.
+absl::Status CheckTensorLimits(const AttentionArgs& args, const EngineOptions& o) {
   const std::pair<const TensorView*, const char*> tensors[] = {
       {&args.query, "query"},
       {&args.key, "key"},
@@ -45,6 +46,12 @@ absl::Status CheckLimits(const AttentionArgs& args, const AttentionShape& s,
   for (const auto& [view, field] : tensors) {
     ATTN_RETURN_IF_ERROR(CheckTensorLimit(*view, field, o.max_tensor_elements));
   }
+  return absl::OkStatus();
+}
+
+// B*H*L*S against max_score_elements, and the output B*H*L*Dv against
+// max_tensor_elements.
+absl::Status CheckShapeLimits(const AttentionShape& s, const EngineOptions& o) {
   int64_t scores = 1;
   bool overflow = false;
   for (int64_t d : {s.batch, s.heads, s.query_len, s.key_len}) {
@@ -70,13 +77,35 @@ absl::Status CheckLimits(const AttentionArgs& args, const AttentionShape& s,
   return absl::OkStatus();
 }
 
+absl::Status CheckLimits(const AttentionArgs& args, const AttentionShape& s,
+                         const EngineOptions& o) {
+  ATTN_RETURN_IF_ERROR(CheckTensorLimits(args, o));
+  return CheckShapeLimits(s, o);
+}
+
+// The limits of a layer call, checked before its projections run (they cost
+// as much as the attention): its inputs as for raw attention, and the scores
+// and output of the attention between the projections, with the layer's
+// heads and the keys add_bias_kv / add_zero_attn append.
+absl::Status CheckLayerLimits(const AttentionArgs& args, const internal::LayerPlan& plan,
+                              const MultiheadConfig& c, const EngineOptions& o) {
+  ATTN_RETURN_IF_ERROR(CheckTensorLimits(args, o));
+  const bool batch_first = args.layout == Layout::kBatchFirst;
+  AttentionShape s;
+  s.batch = std::max(args.query.shape[batch_first ? 0 : 1], plan.kv_batch);
+  s.heads = c.num_heads;
+  s.query_len = args.query.shape[batch_first ? 1 : 0];
+  s.key_len = plan.kv_len + (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
+  s.value_dim = c.embed_dim / c.num_heads;
+  return CheckShapeLimits(s, o);
+}
+
 }  // namespace
 
 // One compute thread runs every call, in arrival order; the backend's own
 // parallelism (OpenMP) fans out from that thread only.
 struct Engine::Impl {
   std::unique_ptr<internal::ComputeBackend> backend;
-  int threads = 1;
 
   absl::Mutex mu;
   std::deque<std::function<void()>> queue ABSL_GUARDED_BY(mu);
@@ -123,14 +152,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
         absl::StrCat("engine threads ", options.threads, " must be >= 0 (0 means one per core)"));
   }
   auto impl = std::make_unique<Impl>();
-  impl->threads = options.threads > 0
-                      ? options.threads
-                      : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = options.threads > 0
+                          ? options.threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (options.backend == Backend::kReference) {
     impl->backend = internal::MakeReferenceBackend();
-    impl->threads = 1;
   } else {
-    ATTN_ASSIGN_OR_RETURN(impl->backend, internal::MakeOneDnnBackend(impl->threads));
+    ATTN_ASSIGN_OR_RETURN(impl->backend, internal::MakeOneDnnBackend(threads));
   }
   impl->worker = std::thread([p = impl.get()] { p->Loop(); });
   return std::unique_ptr<Engine>(new Engine(options, std::move(impl)));
@@ -149,7 +177,7 @@ Engine::~Engine() {
 
 std::string Engine::backend_name() const { return impl_->backend->name(); }
 std::string Engine::isa() const { return impl_->backend->isa(); }
-int Engine::threads() const { return impl_->threads; }
+int Engine::threads() const { return impl_->backend->threads(); }
 
 absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const {
   const EngineCall call{&args, nullptr};
@@ -160,6 +188,7 @@ absl::StatusOr<double> Engine::Validate(const EngineCall& call) const {
   if (call.layer != nullptr) {
     ATTN_ASSIGN_OR_RETURN(internal::LayerPlan plan, internal::PlanLayer(*call.layer, *call.args));
     const MultiheadConfig& c = call.layer->config();
+    ATTN_RETURN_IF_ERROR(CheckLayerLimits(*call.args, plan, c, options_));
     const double e = static_cast<double>(c.embed_dim);
     const double kdim = c.kdim > 0 ? c.kdim : e, vdim = c.vdim > 0 ? c.vdim : e;
     const double projections =
@@ -197,10 +226,14 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
   for (size_t i = 0; i < n; ++i) {
     if (calls[i].layer != nullptr) {
       absl::StatusOr<internal::LayerPlan> plan = internal::PlanLayer(*calls[i].layer, *calls[i].args);
+      absl::Status limits = plan.status();
       if (plan.ok()) {
+        limits = CheckLayerLimits(*calls[i].args, *plan, calls[i].layer->config(), options_);
+      }
+      if (limits.ok()) {
         plans[i] = std::move(plan).value();
       } else {
-        results[i] = plan.status();
+        results[i] = limits;
       }
     } else {
       absl::StatusOr<AttentionShape> shape = resolve(*calls[i].args);

@@ -53,8 +53,10 @@ class Engine {
   absl::StatusOr<AttentionResult> Attend(const AttentionArgs& args) const;
 
   // The checks Attend / AttendBatch make before any work, without the work:
-  // the same INVALID_ARGUMENT / RESOURCE_EXHAUSTED errors. Masks of a layer
-  // call are checked once its projections exist, so only by AttendBatch.
+  // the same INVALID_ARGUMENT / RESOURCE_EXHAUSTED errors (a layer call's
+  // limits too: its inputs, and the scores and output of the attention
+  // between its projections). Masks of a layer call are checked once its
+  // projections exist, so only by AttendBatch.
   // Returns roughly how many floating-point operations the call's matmuls
   // take, by which a scheduler can tell a small call from a large one.
   absl::StatusOr<double> Validate(const EngineCall& call) const;

@@ -6,8 +6,11 @@
 #include "engine/half.h"
 
 // Each hot loop is compiled twice, for AVX-512 (x86-64-v4) and for any
-// x86-64, and the loader picks one for the CPU it runs on.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// x86-64, and the loader picks one for the CPU it runs on. Not under TSan:
+// GCC instruments the ifunc resolvers too, and the loader runs them before
+// TSan's runtime is up, which crashes every program at startup.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__)
 #define ATTN_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
 #else
 #define ATTN_CLONES
@@ -84,9 +87,13 @@ ATTN_CLONES void ExpInPlace(float* x, int64_t n) {
 
 ATTN_CLONES float RowMax(const float* x, int64_t n) {
   float m = kNegInf;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t j = 0; j < n; ++j) {
+    m = x[j] > m ? x[j] : m;
+    nan |= x[j] != x[j];
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
 ATTN_CLONES float ExpShiftSum(float* x, int64_t n, float shift) {

@@ -13,7 +13,9 @@ namespace attention::internal {
 // about -87.3 give exactly 0.
 void ExpInPlace(float* x, int64_t n);
 
-// Largest element; -inf for an empty row or a row of -inf.
+// Largest element; -inf for an empty row or a row of -inf; NaN when any
+// element is NaN (so a NaN score makes its row NaN, as in PyTorch, instead of
+// being skipped by the comparisons).
 float RowMax(const float* x, int64_t n);
 
 // x[j] = exp(x[j] - shift); returns the sum of the new x.

@@ -1,7 +1,10 @@
 #include "engine/multihead.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -78,12 +81,34 @@ absl::StatusOr<std::unique_ptr<MultiheadAttention>> MultiheadAttention::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("kdim ", config.kdim, " and vdim ", config.vdim, " must be >= 0"));
   }
+  // Found by fuzz_model_config: ExpectedWeights' 3 * embed_dim overflowed
+  // int64 for embed_dim 2^62. No real layer comes near this bound (its
+  // in_proj_weight alone would be 3 * 2^62 floats).
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  if (config.embed_dim > kMaxDim || config.kdim > kMaxDim || config.vdim > kMaxDim) {
+    return absl::InvalidArgumentError(absl::StrCat("embed_dim ", config.embed_dim, ", kdim ",
+                                                   config.kdim, " and vdim ", config.vdim,
+                                                   " must be at most ", kMaxDim));
+  }
   const ScoreSpec& s = config.score;
   if (s.w_q.present() || s.w_k.present() || s.w_v.present() || s.w.present() ||
       s.kind == ScoreKind::kAdditive || s.kind == ScoreKind::kBilinear) {
     return absl::InvalidArgumentError(
         "score: a model's score must be parameter-free (SCALED_DOT, DOT, COSINE, "
         "NEG_EUCLIDEAN or GAUSSIAN)");
+  }
+  // Checked here, not first by every request: a layer that loaded but whose
+  // every call fails these checks would be served broken (fuzz_model_config).
+  if (s.scale && !std::isfinite(*s.scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("score.scale: ", *s.scale, " is not a finite number"));
+  }
+  if (s.bandwidth && s.kind != ScoreKind::kGaussian) {
+    return absl::InvalidArgumentError("score.bandwidth: is used by score GAUSSIAN only");
+  }
+  if (s.bandwidth && !std::isfinite(*s.bandwidth)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("score.bandwidth: ", *s.bandwidth, " is not a finite number"));
   }
   const auto expected = ExpectedWeights(config);
   for (const auto& [key, shape] : expected) {
@@ -105,8 +130,10 @@ absl::StatusOr<std::unique_ptr<MultiheadAttention>> MultiheadAttention::Create(
     }
   }
   for (const auto& [key, tensor] : weights) {
+    // Not captured by the lambda: Clang before 16 cannot capture a structured binding.
+    const std::string& name = key;
     bool known = std::any_of(expected.begin(), expected.end(),
-                             [&](const auto& e) { return e.first == key; });
+                             [&](const auto& e) { return e.first == name; });
     if (!known) {
       return absl::InvalidArgumentError(absl::StrCat(
           "unexpected weight \"", key, "\" of shape ", ShapeString(tensor.shape),

@@ -49,7 +49,9 @@ class MultiheadAttention {
       const MultiheadConfig& config);
 
   // Takes the weights. INVALID_ARGUMENT naming the key and shapes for a
-  // missing, extra or wrongly shaped entry, or an inconsistent config.
+  // missing, extra or wrongly shaped entry, or an inconsistent config (dims
+  // below 1 or above 2^31 - 1, a non-finite scale or bandwidth, a bandwidth
+  // for a score other than GAUSSIAN).
   static absl::StatusOr<std::unique_ptr<MultiheadAttention>> Create(const MultiheadConfig& config,
                                                                     StateDict weights);
 

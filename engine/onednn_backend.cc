@@ -662,15 +662,21 @@ void FusedBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, Attentio
       for (int64_t r = 0; r < m; ++r) {
         float* row = t.scores.data() + r * kKeyBlock;
         const float block_max = RowMax(row, n);
-        const float new_max = std::max(t.row_max[r], block_max);
-        if (new_max == kNegInf) {
+        // NaN sticks: once a row has seen one, it is NaN (README "Errors").
+        const float new_max = std::isnan(block_max) || std::isnan(t.row_max[r])
+                                  ? std::numeric_limits<float>::quiet_NaN()
+                                  : std::max(t.row_max[r], block_max);
+        if (new_max == kNegInf || std::isnan(new_max)) {
           std::fill(row, row + n, 0.0f);
+          if (std::isnan(new_max)) t.row_max[r] = t.row_sum[r] = new_max;
         } else {
           const float alpha = t.row_max[r] == kNegInf ? 0.0f : std::exp(t.row_max[r] - new_max);
           t.row_max[r] = new_max;
           if (alpha != 1.0f) Scale(t.acc.data() + r * Dv, Dv, alpha);
-          uint16_t* probs = t.probs.data() + r * kKeyBlock;
           if (p.bf16 && a.dropout_p == 0) {
+            // Only here: t.probs is empty (data() null) for float32 math, and
+            // even unused, null + offset is undefined behaviour.
+            uint16_t* probs = t.probs.data() + r * kKeyBlock;
             t.row_sum[r] = t.row_sum[r] * alpha + ExpShiftSumToBFloat16(row, probs, n, new_max);
             continue;
           }
@@ -690,7 +696,8 @@ void FusedBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, Attentio
   for (int64_t r = 0; r < m; ++r) {
     float* out = OutRow(p, result, b, h, i0 + r);
     const float* acc = t.acc.data() + r * Dv;
-    const float inv = t.row_sum[r] > 0 ? 1.0f / t.row_sum[r] : 0.0f;
+    // 0 for a row with no unmasked key; NaN stays NaN.
+    const float inv = t.row_sum[r] == 0.0f ? 0.0f : 1.0f / t.row_sum[r];
     for (int64_t d = 0; d < Dv; ++d) out[d] = acc[d] * inv;
   }
 }
@@ -768,8 +775,13 @@ std::string IsaName(dnnl::cpu_isa isa) {
 
 class OneDnnBackend final : public ComputeBackend {
  public:
+  // Every team must get the threads it asks for: oneDNN splits a primitive's
+  // work for omp_get_max_threads() threads, and in a team that got fewer
+  // (not nested, so it parallelises itself) the missing threads' share is
+  // silently never computed. So never more than OMP_THREAD_LIMIT, and no
+  // dynamic teams (see UseThreadsFor).
   explicit OneDnnBackend(int threads)
-      : threads_(threads),
+      : threads_(std::max(1, std::min(threads, omp_get_thread_limit()))),
         engine_(dnnl::engine::kind::cpu, 0),
         cache_(engine_),
         contexts_(engine_) {
@@ -786,8 +798,7 @@ class OneDnnBackend final : public ComputeBackend {
       flops += 2.0 * sh.batch * sh.heads * sh.query_len * sh.key_len *
                static_cast<double>(sh.query_dim + sh.value_dim);
     }
-    const int threads = ThreadsFor(flops);
-    omp_set_num_threads(threads);
+    const int threads = UseThreadsFor(flops);
     const size_t n = calls.size();
     std::vector<absl::StatusOr<AttentionResult>> results(n);
     std::deque<Storage> storages(n);
@@ -843,8 +854,7 @@ class OneDnnBackend final : public ComputeBackend {
       for (int64_t r = 0; r < j.rows; r += kLinearRows) items.push_back({&j, r});
       flops += 2.0 * j.rows * j.in * static_cast<double>(j.out);
     }
-    const int threads = ThreadsFor(flops);
-    omp_set_num_threads(threads);
+    const int threads = UseThreadsFor(flops);
     const int64_t total = static_cast<int64_t>(items.size());
     absl::Status first_error;
     std::unique_ptr<ThreadContextPool::Team> team = contexts_.Acquire(threads);
@@ -872,6 +882,7 @@ class OneDnnBackend final : public ComputeBackend {
 
   std::string name() const override { return "onednn"; }
   std::string isa() const override { return isa_; }
+  int threads() const override { return threads_; }
 
  private:
   // Rows per projection matmul: fixed, so a call's rows are split the same
@@ -885,9 +896,16 @@ class OneDnnBackend final : public ComputeBackend {
   // same either way.
   static constexpr double kParallelFlops = 3e7;
 
-  // OpenMP threads for a pass of `flops`: oneDNN reads the same setting, so a
-  // small pass runs single-threaded all the way down.
-  int ThreadsFor(double flops) const { return flops >= kParallelFlops ? threads_ : 1; }
+  // OpenMP threads for a pass of `flops`, set on the calling thread: oneDNN
+  // reads the same setting, so a small pass runs single-threaded all the way
+  // down. OMP_DYNAMIC=true would let libgomp shrink teams under load, leaving
+  // work undone (see the constructor): it is turned off for our passes.
+  int UseThreadsFor(double flops) const {
+    const int threads = flops >= kParallelFlops ? threads_ : 1;
+    omp_set_dynamic(0);
+    omp_set_num_threads(threads);
+    return threads;
+  }
 
   // How a call splits into work items.
   struct WorkSplit {

@@ -247,7 +247,8 @@ AttentionResult ReferenceAttend(const AttentionArgs& args, const AttentionShape&
           double bias = masks.Bias(b, h, i, j);
           row[j] = bias == kNegInf ? kNegInf
                                    : scale * scorer.Score(k.data() + kix.Offset(b, hk, j)) + bias;
-          if (row[j] > max) max = row[j];
+          // A NaN score makes the row NaN (as in PyTorch), not fully masked.
+          if (row[j] > max || std::isnan(row[j])) max = row[j];
         }
         if (max == kNegInf) continue;  // fully masked row: zero output and weights
         double sum = 0;
@@ -314,6 +315,7 @@ class ReferenceBackend final : public ComputeBackend {
   }
   std::string name() const override { return "reference"; }
   std::string isa() const override { return "generic"; }
+  int threads() const override { return 1; }
 };
 
 }  // namespace

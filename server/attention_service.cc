@@ -262,7 +262,14 @@ class AttentionServiceImpl::StreamReactor final
     MaybeFinishLocked();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    // gRPC calls OnDone after every other reaction has returned, but orders
+    // them with its own atomics, which ThreadSanitizer cannot see (Debian's
+    // gRPC is not instrumented): taking mu_ once makes the order visible to
+    // it, as the other reactions touch the members under mu_.
+    { absl::MutexLock lock(&mu_); }
+    delete this;
+  }
 
  private:
   void ReadNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

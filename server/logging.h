@@ -14,8 +14,10 @@ namespace attention::server {
 // (UTC time, level name, message), keeping messages at `level` and above:
 // "trace", "debug", "info", "warn", "error" or "off", in any case.
 // INVALID_ARGUMENT naming --log_level and the choices for anything else,
-// leaving the current logger in place. Call at startup before other threads
-// log; a later call replaces the logger.
+// leaving the current logger in place. Also routes protobuf's own log
+// messages there, those about a malformed message at debug (each is a
+// client's bad request). Call at startup before other threads log; a later
+// call replaces the logger.
 absl::Status InitLogging(absl::string_view level);
 
 }  // namespace attention::server

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -304,6 +305,57 @@ TEST_F(EngineTest, EnforcesTheTensorElementLimit) {
   ASSERT_TRUE(small.ok());
   EXPECT_THAT((*small)->Attend(Basic()),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("query: 48 elements")));
+}
+
+// Regression (hostile_input_test): a query row whose scores were all NaN
+// counted as fully masked and got zeros, and the fused path turned any NaN row
+// sum into zeros. A NaN now makes its row NaN, as in PyTorch, on both
+// backends, both paths, float32 and bfloat16 inputs (README "Errors").
+TEST(EngineNanTest, ANanInAQueryMakesItsRowNanAndNoOther) {
+  constexpr int64_t B = 2, L = 3, S = 5, E = 8, H = 2, D = E / H;
+  std::vector<float> q(B * L * E, 0.5f);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = 0.1f * static_cast<float>(i % 7);
+  q[(0 * L + 1) * E + 3] = std::numeric_limits<float>::quiet_NaN();  // b 0, row 1, head 0
+  std::vector<uint16_t> q16(q.size());
+  for (size_t i = 0; i < q.size(); ++i) q16[i] = FloatToBFloat16(q[i]);
+  const Owned k = Random({B, S, E}, 2), v = Random({B, S, E}, 3);
+  for (const Backend backend : {Backend::kReference, Backend::kOneDnn}) {
+    auto engine = Engine::Create(EngineOptions{.backend = backend});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (const bool need_weights : {false, true}) {
+      for (const bool bf16 : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << (*engine)->backend_name() << " need_weights "
+                                          << need_weights << " bf16 " << bf16);
+        const Owned query = bf16 ? Make<uint16_t>(DType::kBFloat16, {B, L, E}, q16)
+                                 : Floats({B, L, E}, q);
+        AttentionArgs a;
+        a.query = query.view();
+        a.key = k.view();
+        a.value = v.view();
+        a.num_heads = H;
+        a.need_weights = need_weights;
+        absl::StatusOr<AttentionResult> r = (*engine)->Attend(a);
+        ASSERT_TRUE(r.ok()) << r.status();
+        for (int64_t b = 0; b < B; ++b) {
+          for (int64_t i = 0; i < L; ++i) {
+            for (int64_t h = 0; h < H; ++h) {
+              const bool nan = b == 0 && i == 1 && h == 0;
+              for (int64_t d = 0; d < D; ++d) {
+                const float x = r->output.data[(b * L + i) * E + h * D + d];
+                EXPECT_EQ(nan ? std::isnan(x) : std::isfinite(x), true)
+                    << b << " " << i << " " << h << " " << d << ": " << x;
+              }
+              if (!need_weights) continue;
+              for (int64_t j = 0; j < S; ++j) {
+                const float w = r->weights.data[((b * H + h) * L + i) * S + j];
+                EXPECT_EQ(std::isnan(w), nan) << b << " " << i << " " << h << " " << j;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

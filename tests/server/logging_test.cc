@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "attention/v1/attention.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "spdlog/spdlog.h"
@@ -49,6 +50,25 @@ TEST(InitLoggingTest, WritesOneCompactLinePerMessageToStderr) {
   EXPECT_THAT(logged, MatchesRegex("[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\\."
                                    "[0-9]{3}Z info listening on 127\\.0\\.0\\.1:50051\n"
                                    "[-0-9T:.]+Z warning draining\n"));
+}
+
+// Regression: protobuf logged "String field ... contains invalid UTF-8 data"
+// at ERROR for every such request, so any client could flood the log.
+TEST(InitLoggingTest, ProtobufParseComplaintsGoToDebug) {
+  v1::AttendRequest request;
+  request.set_id("ok");
+  std::string bytes = request.SerializeAsString();
+  bytes.back() = '\xff';  // the id's last byte: no longer UTF-8
+  ::testing::internal::CaptureStderr();
+  const absl::Status status = InitLogging("debug");
+  const bool parsed = v1::AttendRequest().ParseFromString(bytes);
+  const std::string logged = ::testing::internal::GetCapturedStderr();
+  ASSERT_THAT(InitLogging("info"), IsOk());
+  ASSERT_THAT(status, IsOk());
+  EXPECT_FALSE(parsed);
+  EXPECT_THAT(logged, MatchesRegex("[-0-9T:.]+Z debug protobuf [^\n]*wire_format_lite.cc:[0-9]+: "
+                                   "String field 'attention.v1.AttendRequest.id' contains "
+                                   "invalid UTF-8[^\n]*\n"));
 }
 
 }  // namespace
