@@ -27,6 +27,9 @@ namespace {
 // the math, and a gRPC thread is never held for long.
 constexpr double kInlineMaxFlops = 1e6;
 
+// The `model` label of calls naming a model that is not registered.
+constexpr absl::string_view kUnknownModelLabel = "(unknown)";
+
 // Every field of the answer to `request` but its tensors.
 v1::AttendResponse ResponseHead(const v1::AttendRequest& request, const JobTiming& timing) {
   v1::AttendResponse head;
@@ -53,7 +56,11 @@ void AttentionServiceImpl::Record(absl::string_view method, absl::string_view mo
                                   const grpc::Status& status, absl::Time start,
                                   const JobTiming* timing) const {
   const double total = absl::ToDoubleSeconds(absl::Now() - start);
-  metrics_->CountRequest(method, model, status.error_code());
+  // The label names a registered model, never whatever a caller sent: each
+  // made-up name would otherwise add a series, and memory, for good.
+  const absl::string_view label =
+      model.empty() || models_->Find(model) != nullptr ? model : kUnknownModelLabel;
+  metrics_->CountRequest(method, label, status.error_code());
   metrics_->ObserveSeconds("total", method, total);
   if (timing != nullptr) {
     metrics_->ObserveSeconds("queue", method, timing->queue_us * 1e-6);

@@ -1,5 +1,6 @@
 // attention_server: serves attention.v1.AttentionService until SIGTERM or SIGINT.
 
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -96,6 +97,12 @@ int main(int argc, char** argv) {
   // rather than spin (unless the environment says otherwise). Must precede
   // the OpenMP runtime's start.
   setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
+  // Two malloc arenas, unless the environment says otherwise. glibc gives
+  // threads their own arenas (up to 8 per core), and memory freed in one
+  // cannot serve another: as gRPC's threads, which also compute small calls,
+  // came and went, RSS rose in steps (+24% in a minute of soak.sh at 12k
+  // calls/s); with two it stayed flat, and lower.
+  if (std::getenv("MALLOC_ARENA_MAX") == nullptr) mallopt(M_ARENA_MAX, 2);
   // absl::Mutex's deadlock detection (on in Debian's build) keeps a lock
   // graph on every Lock: a cost on each call's path. The tests keep it on.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

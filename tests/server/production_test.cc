@@ -2,6 +2,7 @@
 // bearer-token auth, TLS and mTLS, Prometheus metrics, graceful drain.
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -26,6 +27,7 @@ namespace attention::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 v1::AttendRequest Small(const std::string& id = "p") {
   v1::AttendRequest r;
@@ -161,6 +163,31 @@ TEST(MetricsEndToEndTest, ScrapedMetricsCountRequestsByCodeAndTimeThem) {
   EXPECT_EQ(m.at("attention_queue_depth"), 0);
 }
 
+// A caller cannot grow the metrics: names of models that are not registered
+// all count under one label.
+TEST(MetricsTest, UnknownModelNamesShareOneLabel) {
+  ServerOptions options;
+  options.model_repository = ATTENTION_MODELS_DIR;
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  for (int i = 0; i < 20; ++i) {
+    v1::AttendRequest request = Small();
+    request.set_model(absl::StrCat("made-up-", i));
+    EXPECT_THAT((*server)->client().Attend(request),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("made-up-")));
+  }
+  v1::AttendRequest demo;
+  demo.set_model("demo");
+  *demo.mutable_query() = Ramp({1, 4, 64});
+  ASSERT_THAT((*server)->client().Attend(demo), IsOk());
+  const std::string text = (*server)->server().metrics().RenderPrometheus();
+  EXPECT_THAT(text, Not(HasSubstr("made-up")));
+  const std::map<std::string, double> m = ParseMetrics(text);
+  EXPECT_EQ(m.at(R"x(attention_requests_total{method="Attend",model="(unknown)",code="NOT_FOUND"})x"),
+            20);
+  EXPECT_EQ(m.at(R"(attention_requests_total{method="Attend",model="demo",code="OK"})"), 1);
+}
+
 // SIGTERM's path: Shutdown() while a call is computing lets it finish and
 // refuses new calls.
 TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
@@ -199,11 +226,10 @@ TEST(ConnectionAgeTest, OldConnectionsAreClosedAndClientsReconnect) {
   client::AttentionClient& client = (*server)->client();
   ASSERT_THAT(client.Attend(Small()), IsOk());
   ASSERT_EQ(client.channel()->GetState(false), GRPC_CHANNEL_READY);
-  bool closed = false;
-  for (int i = 0; i < 500 && !closed; ++i) {  // up to 5 s: age, jitter and grace
-    absl::SleepFor(absl::Milliseconds(10));
-    closed = client.channel()->GetState(false) != GRPC_CHANNEL_READY;
-  }
+  // Up to 5 s (age, jitter and grace). Waiting for the change, not polling:
+  // the channel may leave READY and reconnect between two polls.
+  const bool closed = client.channel()->WaitForStateChange(
+      GRPC_CHANNEL_READY, std::chrono::system_clock::now() + std::chrono::seconds(5));
   EXPECT_TRUE(closed) << "the connection outlived max_connection_age_seconds";
   EXPECT_THAT(client.Attend(Small()), IsOk());
 }
