@@ -5,7 +5,9 @@
 #      does not hang, and its channels reconnect within the client's reconnect
 #      backoff (at most 2 s): the last second of the run has no error.
 #   2. SIGTERM mid-run: the server drains and exits 0, and no call it accepted
-#      is lost (every answer is OK, or UNAVAILABLE for calls it refused).
+#      is lost: each is answered OK (or UNAVAILABLE when refused), as the
+#      server's per-call debug log shows. Calls gRPC cancels at shutdown before
+#      they reach the service come back CANCELLED; they are counted apart.
 #   3. Deadlines that expire while requests are queued: the server drops that
 #      work (attention_not_computed_total{reason="deadline_exceeded"} grows) and
 #      computes fewer requests than it was sent.
@@ -72,7 +74,11 @@ echo "kill -9 under load: $down calls UNAVAILABLE while down, $last_ok OK in the
 status=0
 server_stop || status=$?
 [[ $status -eq 0 ]] || fail "the server exited with $status after SIGTERM"
-server_start "$server_bin" "$tmp" --drain_seconds 10
+# --log_level debug: one line per call the service took, with its code, so
+# that calls it accepted can be told from calls gRPC cancelled at shutdown
+# before they reached the service (those come back CANCELLED: they were never
+# accepted, and a client may retry them).
+server_start "$server_bin" "$tmp" --drain_seconds 10 --log_level debug
 server_wait_serving "$cli_bin"
 # Raw B1 H8 L=S=256 calls keep work queued and computing when SIGTERM comes.
 "$loadtest_bin" --target "127.0.0.1:$SERVER_PORT" --concurrency 8 --duration 5s \
@@ -87,11 +93,19 @@ status=0
 wait_bounded "$loadtest_pid" 60 || status=$?
 loadtest_pid=""
 [[ $status -eq 0 ]] || fail "the load tester exited $status: $(cat "$tmp/term.out")"
-bad=$(unexpected_errors "$tmp/term.json" '["UNAVAILABLE"]')
-[[ -z $bad ]] || fail "SIGTERM: calls the server accepted were lost: $bad"
+bad=$(unexpected_errors "$tmp/term.json" '["UNAVAILABLE", "CANCELLED"]')
+[[ -z $bad ]] || fail "SIGTERM: unexpected errors: $bad ($(jq -r '.first_error // ""' "$tmp/term.json"))"
 ok=$(jq '.ok' "$tmp/term.json")
 (( ok > 0 )) || fail "SIGTERM: no call succeeded before it"
-echo "SIGTERM under load: exit 0, $ok calls OK, the rest refused with UNAVAILABLE, none lost"
+# Every call the service accepted was answered OK (or refused UNAVAILABLE),
+# and every OK answer reached the client.
+accepted_ok=$(grep -c 'debug Attend .* code=0 ' "$SERVER_LOG" || true)
+accepted_bad=$(grep 'debug Attend ' "$SERVER_LOG" | grep -v -c ' code=0 \| code=14 ' || true)
+(( accepted_bad == 0 )) ||
+  fail "SIGTERM: $accepted_bad accepted calls ended neither OK nor UNAVAILABLE: $(grep 'debug Attend ' "$SERVER_LOG" | grep -v ' code=0 \| code=14 ' | head -n 3)"
+(( accepted_ok == ok )) || fail "SIGTERM: the service answered $accepted_ok calls OK, the client got $ok"
+cancelled=$(jq '.errors.CANCELLED // 0' "$tmp/term.json")
+echo "SIGTERM under load: exit 0, all $ok accepted calls answered OK; $cancelled cancelled by gRPC before reaching the service; the rest refused with UNAVAILABLE"
 
 # --- 3. an expired deadline frees the server's work ---------------------------
 server_start "$server_bin" "$tmp" --metrics_port 0
