@@ -111,6 +111,7 @@ struct ThreadContext {
   std::vector<uint16_t> probs;  // the same rows in bf16, for bf16 matmuls
   std::vector<float> acc;       // output accumulator of the online softmax
   std::vector<float> row_max, row_sum;
+  std::vector<float> head_weights;  // one head's weight rows, for the head average
 
   explicit ThreadContext(const dnnl::engine& e) : engine(e), stream(e) {}
 
@@ -227,6 +228,27 @@ class ThreadContextPool {
   void Release(std::unique_ptr<Team> team) {
     absl::MutexLock lock(&mu_);
     free_.push_back(std::move(team));
+  }
+
+  // Runs body(context, k) for every k in [0, total), items handed out one at a
+  // time, on `threads` OpenMP threads, each with its own context of a team
+  // taken from the pool. A one-thread pass runs on the calling thread without
+  // an OpenMP region: entering and leaving one costs more than the math of a
+  // small call. Callers have set omp_set_num_threads(threads).
+  template <typename Body>
+  void ForEachItem(int threads, int64_t total, Body body) {
+    std::unique_ptr<Team> team = Acquire(threads);
+    if (threads == 1) {
+      for (int64_t k = 0; k < total; ++k) body(*(*team)[0], k);
+    } else {
+#pragma omp parallel
+      {
+        ThreadContext& t = *(*team)[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = 0; k < total; ++k) body(t, k);
+      }
+    }
+    Release(std::move(team));
   }
 
  private:
@@ -821,25 +843,16 @@ class OneDnnBackend final : public ComputeBackend {
       for (int64_t i = 0; i < layouts[c].items; ++i) items.push_back({c, i});
     }
     const int64_t total = static_cast<int64_t>(items.size());
-    std::unique_ptr<ThreadContextPool::Team> team = contexts_.Acquire(threads);
-#pragma omp parallel
-    {
-      ThreadContext& t = *(*team)[omp_get_thread_num()];
-      std::vector<float> head_weights;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t k = 0; k < total; ++k) {
-        const Item& item = items[k];
-        absl::Status status = Guarded([&] {
-          RunItem(problems[item.call], layouts[item.call], item.index, t, head_weights,
-                  *results[item.call]);
-        });
-        if (!status.ok()) {
+    contexts_.ForEachItem(threads, total, [&](ThreadContext& t, int64_t k) {
+      const Item& item = items[k];
+      absl::Status status = Guarded([&] {
+        RunItem(problems[item.call], layouts[item.call], item.index, t, *results[item.call]);
+      });
+      if (!status.ok()) {
 #pragma omp critical
-          if (results[item.call].ok()) results[item.call] = status;
-        }
+        if (results[item.call].ok()) results[item.call] = status;
       }
-    }
-    contexts_.Release(std::move(team));
+    });
     return results;
   }
 
@@ -857,26 +870,19 @@ class OneDnnBackend final : public ComputeBackend {
     const int threads = UseThreadsFor(flops);
     const int64_t total = static_cast<int64_t>(items.size());
     absl::Status first_error;
-    std::unique_ptr<ThreadContextPool::Team> team = contexts_.Acquire(threads);
-#pragma omp parallel
-    {
-      ThreadContext& t = *(*team)[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t k = 0; k < total; ++k) {
-        const LinearJob& j = *items[k].job;
-        const int64_t r0 = items[k].row0, m = std::min(kLinearRows, j.rows - r0);
-        absl::Status status = Guarded([&] {
-          MatmulKey key{m, j.out, j.in, j.in, j.in, j.out, true, false, false};
-          key.bias = j.bias != nullptr;
-          t.RunMatmul(cache_, key, j.x + r0 * j.in, j.w, j.y + r0 * j.out, 1.0f, j.bias);
-        });
-        if (!status.ok()) {
+    contexts_.ForEachItem(threads, total, [&](ThreadContext& t, int64_t k) {
+      const LinearJob& j = *items[k].job;
+      const int64_t r0 = items[k].row0, m = std::min(kLinearRows, j.rows - r0);
+      absl::Status status = Guarded([&] {
+        MatmulKey key{m, j.out, j.in, j.in, j.in, j.out, true, false, false};
+        key.bias = j.bias != nullptr;
+        t.RunMatmul(cache_, key, j.x + r0 * j.in, j.w, j.y + r0 * j.out, 1.0f, j.bias);
+      });
+      if (!status.ok()) {
 #pragma omp critical
-          if (first_error.ok()) first_error = status;
-        }
+        if (first_error.ok()) first_error = status;
       }
-    }
-    contexts_.Release(std::move(team));
+    });
     return first_error;
   }
 
@@ -956,7 +962,7 @@ class OneDnnBackend final : public ComputeBackend {
   }
 
   void RunItem(const Problem& p, const WorkSplit& layout, int64_t item, ThreadContext& t,
-               std::vector<float>& head_weights, AttentionResult& result) {
+               AttentionResult& result) {
     const AttentionArgs& a = *p.args;
     const int64_t H = p.s.heads, L = p.s.query_len, S = p.s.key_len;
     const int64_t qb = item % layout.blocks;
@@ -970,6 +976,7 @@ class OneDnnBackend final : public ComputeBackend {
       WeightsBlock(p, cache_, t, result, b, h, i0, m, w);
     } else {
       const int64_t b = rest;
+      std::vector<float>& head_weights = t.head_weights;
       head_weights.resize(static_cast<size_t>(m * S));
       float* avg = result.weights.data.data() + (b * L + i0) * S;
       std::fill(avg, avg + m * S, 0.0f);

@@ -565,10 +565,11 @@ absl::StatusOr<Load> MakeLoad(std::string name, const std::string& address, Mode
   return load;
 }
 
-// The engine alone: one caller's calls of what the server runs for `request`,
-// Engine::Attend or `layer`'s forward, on the calling thread. Conversion to
-// and from the wire is the server's, not counted here. `request` must outlive
-// the Load.
+// The engine alone: one caller's calls of what the server's dispatcher runs
+// for `request` (Engine::AttendBatchOnThisThread of one call: raw attention or
+// `layer`'s forward), on the calling thread, as the dispatcher does. Conversion
+// to and from the wire is the server's, not counted here. `request` must
+// outlive the Load.
 Load MakeEngineLoad(const Engine* engine, const MultiheadAttention* layer,
                     const v1::AttendRequest* request) {
   auto view = [](const v1::Tensor& t) -> TensorView {
@@ -592,9 +593,10 @@ Load MakeEngineLoad(const Engine* engine, const MultiheadAttention* layer,
     Samples samples;
     for (Clock::time_point now = start; now < window.to;) {
       const Clock::time_point sent = now;
-      absl::StatusOr<AttentionResult> result =
-          layer != nullptr ? layer->Forward(*engine, args) : engine->Attend(args);
-      if (!result.ok()) return result.status();
+      const EngineCall call{&args, layer};
+      std::vector<absl::StatusOr<AttentionResult>> results =
+          engine->AttendBatchOnThisThread({&call, 1});
+      if (!results[0].ok()) return results[0].status();
       now = Clock::now();
       samples.AddLatency(sent, now, window);
     }
