@@ -102,10 +102,15 @@ absl::StatusOr<const Model*> AttentionServiceImpl::FindModel(absl::string_view n
 
 absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerContext& context,
                                                   const v1::AttendRequest& request) const {
+  // A caller gone before its request was even admitted is work not done, the
+  // same as one the scheduler drops from its queue. The deadline first, as
+  // there: gRPC also cancels a call whose deadline passed.
   if (context.deadline() <= std::chrono::system_clock::now()) {
+    metrics_->CountNotComputed("deadline_exceeded");
     return absl::DeadlineExceededError("deadline passed before compute started");
   }
   if (context.IsCancelled()) {
+    metrics_->CountNotComputed("cancelled");
     return absl::CancelledError("call cancelled before compute started");
   }
   Job job;

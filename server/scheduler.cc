@@ -114,14 +114,16 @@ void Scheduler::Run(std::deque<Job>& batch) {
   for (Job& job : batch) {
     JobTiming timing;
     timing.queue_us = absl::ToInt64Microseconds(start - job.enqueued);
-    if (job.cancelled && job.cancelled()) {
-      if (hooks_.not_computed) hooks_.not_computed("cancelled");
-      job.done(absl::CancelledError("the call was cancelled before compute started"), timing);
-    } else if (job.deadline <= start) {
+    // The deadline first: gRPC also cancels a call whose deadline passed, and
+    // the deadline is the reason.
+    if (job.deadline <= start) {
       if (hooks_.not_computed) hooks_.not_computed("deadline_exceeded");
       job.done(absl::DeadlineExceededError(absl::StrCat(
                    "deadline passed after ", timing.queue_us, " us in the queue, before compute")),
                timing);
+    } else if (job.cancelled && job.cancelled()) {
+      if (hooks_.not_computed) hooks_.not_computed("cancelled");
+      job.done(absl::CancelledError("the call was cancelled before compute started"), timing);
     } else {
       live.push_back(&job);
       calls.push_back({&job.request->args, job.model ? job.model->layer.get() : nullptr});

@@ -111,10 +111,13 @@ echo "SIGTERM under load: exit 0, all $ok accepted calls answered OK; $cancelled
 server_start "$server_bin" "$tmp" --metrics_port 0
 server_wait_serving "$cli_bin"
 metrics_port=$(server_metrics_port)
-# B4 H8 L=S=512 with weights: tens of ms each, sent at several times the rate
-# the server can compute them, each with 50 ms to live.
-"$loadtest_bin" --target "127.0.0.1:$SERVER_PORT" --rate 100 --duration 3s --batch 4 \
-  --seq_len 512 --embed_dim 512 --heads 8 --need_weights --timeout 50ms \
+# L=S=4096 D64 raw calls: little to send (3 MiB) and much to compute (4.3
+# GFLOP, tens of ms), sent at several times the rate the server can compute
+# them, each with 100 ms to live. Little to send, so that even in a sanitizer
+# build the deadlines pass while the requests wait in the queue, not while
+# they are still being transferred and parsed.
+"$loadtest_bin" --target "127.0.0.1:$SERVER_PORT" --rate 100 --duration 3s \
+  --seq_len 4096 --embed_dim 64 --heads 1 --timeout 100ms \
   --json "$tmp/deadline.json" --progress=false >"$tmp/deadline.out" 2>&1 ||
   fail "the load tester failed: $(cat "$tmp/deadline.out")"
 bad=$(unexpected_errors "$tmp/deadline.json" '["DEADLINE_EXCEEDED"]')
