@@ -2,9 +2,14 @@
 
 #include <stdlib.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <string>
+#include <system_error>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -34,10 +39,49 @@ void WriteFile(const std::string& path, const std::string& contents) {
   ASSERT_TRUE(out.good()) << "cannot write " << path;
 }
 
+namespace {
+
+// The folders MakeTempDir made in this process, removed when it exits.
+class TempDirs {
+ public:
+  static TempDirs& Get() {
+    static TempDirs* dirs = [] {
+      auto* d = new TempDirs();
+      std::atexit([] { Get().RemoveAll(); });
+      return d;
+    }();
+    return *dirs;
+  }
+
+  void Add(std::string dir) {
+    std::lock_guard<std::mutex> lock(mu_);
+    dirs_.push_back(std::move(dir));
+  }
+
+ private:
+  void RemoveAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& dir : dirs_) {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+    dirs_.clear();
+  }
+
+  std::mutex mu_;
+  std::vector<std::string> dirs_;
+};
+
+}  // namespace
+
 std::string MakeTempDir(const std::string& name) {
   // Unique per call: ctest runs each test in its own process, several at once.
   std::string pattern = (std::filesystem::path(::testing::TempDir()) / (name + ".XXXXXX")).string();
-  if (mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << pattern << " failed";
+  if (mkdtemp(pattern.data()) == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << pattern << " failed";
+  } else {
+    TempDirs::Get().Add(pattern);
+  }
   return pattern;
 }
 

@@ -13,7 +13,8 @@ namespace attention::testing {
 std::string SafetensorsBytes(const StateDict& dict);
 // Writes `contents` to `path`; fails the current test on error.
 void WriteFile(const std::string& path, const std::string& contents);
-// A fresh empty directory under the test's temp dir, unique to this call.
+// A fresh empty directory under the test's temp dir, unique to this call,
+// removed with what it holds when the process exits.
 std::string MakeTempDir(const std::string& name);
 
 }  // namespace attention::testing
