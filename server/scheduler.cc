@@ -47,10 +47,45 @@ absl::Status Scheduler::Submit(Job job) {
     std::deque<Job> batch;
     batch.push_back(std::move(job));
     Run(batch);
-    absl::MutexLock lock(&mu_);
-    computing_ = false;  // the dispatcher takes whatever queued meanwhile
+    for (int taken = 0; taken < kMaxBatchesAfterInline; ++taken) {
+      batch.clear();
+      {
+        absl::MutexLock lock(&mu_);
+        if (!TakeDueBatch(batch)) {
+          computing_ = false;  // the dispatcher takes whatever is left
+          break;
+        }
+        depth = static_cast<int64_t>(queue_.size());
+      }
+      if (hooks_.queue_depth) hooks_.queue_depth(depth);
+      Run(batch);
+    }
+    if (!batch.empty()) {
+      absl::MutexLock lock(&mu_);
+      computing_ = false;
+    }
   }
   return absl::OkStatus();
+}
+
+bool Scheduler::TakeDueBatch(std::deque<Job>& batch) {
+  if (stopping_ || queue_.empty() || !queue_.front().inline_when_idle) return false;
+  const Job& front = queue_.front();
+  if (front.enqueued + front.max_queue_delay > absl::Now()) return false;
+  const std::string key = front.batch_key;
+  const int64_t limit = std::max<int32_t>(1, front.max_batch_size);
+  for (auto it = queue_.begin(); it != queue_.end() && static_cast<int64_t>(batch.size()) < limit;) {
+    if (it->batch_key == key) {
+      batch.push_back(std::move(*it));
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if ((queued_per_key_[key] -= static_cast<int64_t>(batch.size())) == 0) {
+    queued_per_key_.erase(key);
+  }
+  return true;
 }
 
 int64_t Scheduler::queue_depth() const {

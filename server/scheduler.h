@@ -80,6 +80,12 @@ class Scheduler {
  private:
   void Loop();
   void Run(std::deque<Job>& batch);
+  // After an inline job, its thread goes on with up to this many batches that
+  // are already due, rather than waking the dispatcher for them.
+  static constexpr int kMaxBatchesAfterInline = 4;
+  // Moves the batch of the queue's front job into `batch` when it is small
+  // (inline_when_idle) and its delay is up; false, taking nothing, otherwise.
+  bool TakeDueBatch(std::deque<Job>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Engine* const engine_;
   const int64_t max_queue_;

@@ -191,5 +191,100 @@ TEST_F(SchedulerTest, ASmallJobWaitsItsTurnWhileTheEngineIsBusy) {
   EXPECT_THAT(small.result, testing::IsOk());
 }
 
+// Submits `job` from another thread and returns once Submit has: called
+// from a running job's `done`, it queues the job behind that one.
+void SubmitFromAnotherThread(Scheduler& scheduler, Job job) {
+  std::thread([&] { ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk()); }).join();
+}
+
+TEST_F(SchedulerTest, JobsThatQueuedBehindAnInlineJobRunOnItsThreadAsOneBatch) {
+  Scheduler scheduler(engine_.get(), 8);
+  Outcome first, later_a, later_b;
+  std::thread::id first_on, a_on, b_on;
+  auto recording = [](Outcome* out, std::thread::id* on) {
+    return [out, on](absl::StatusOr<AttentionResult> r, const JobTiming& t) {
+      *on = std::this_thread::get_id();
+      out->result = std::move(r);
+      out->timing = t;
+      out->done.Notify();
+    };
+  };
+  Job a = MakeJob(&later_a, /*max_batch=*/4);
+  a.inline_when_idle = true;
+  a.done = recording(&later_a, &a_on);
+  Job b = MakeJob(&later_b, /*max_batch=*/4);
+  b.inline_when_idle = true;
+  b.done = recording(&later_b, &b_on);
+  Job job = MakeJob(&first, /*max_batch=*/4);
+  job.inline_when_idle = true;
+  // While the first job is still computing (its answer is being given), two
+  // more arrive from other threads and queue.
+  job.done = [&, record = recording(&first, &first_on)](absl::StatusOr<AttentionResult> r,
+                                                        const JobTiming& t) mutable {
+    SubmitFromAnotherThread(scheduler, std::move(a));
+    SubmitFromAnotherThread(scheduler, std::move(b));
+    record(std::move(r), t);
+  };
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  // Submit returned after answering all three: its thread took the two queued
+  // jobs, due at once (no delay), in one batch, instead of waking the dispatcher.
+  ASSERT_TRUE(later_a.done.HasBeenNotified());
+  ASSERT_TRUE(later_b.done.HasBeenNotified());
+  EXPECT_EQ(first_on, std::this_thread::get_id());
+  EXPECT_EQ(a_on, std::this_thread::get_id());
+  EXPECT_EQ(b_on, std::this_thread::get_id());
+  EXPECT_THAT(later_a.result, testing::IsOk());
+  EXPECT_EQ(later_a.timing.batch_size, 2);
+  EXPECT_EQ(later_b.timing.batch_size, 2);
+  EXPECT_EQ(scheduler.queue_depth(), 0);
+}
+
+TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
+  Scheduler scheduler(engine_.get(), 8);
+  Outcome first, large, delayed;
+  std::thread::id large_on, delayed_on;
+  Job big = MakeJob(&large);  // not inline_when_idle: too much work for a gRPC thread
+  big.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming&) {
+    large_on = std::this_thread::get_id();
+    large.result = std::move(r);
+    large.done.Notify();
+  };
+  Job job = MakeJob(&first);
+  job.inline_when_idle = true;
+  job.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming&) {
+    SubmitFromAnotherThread(scheduler, std::move(big));
+    first.result = std::move(r);
+    first.done.Notify();
+  };
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  large.done.WaitForNotification();
+  EXPECT_NE(large_on, std::this_thread::get_id());
+  EXPECT_THAT(large.result, testing::IsOk());
+
+  // A small job whose batching delay is not up yet waits for it on the
+  // dispatcher too.
+  Job wait = MakeJob(&delayed, /*max_batch=*/4, absl::Milliseconds(20));
+  wait.inline_when_idle = true;
+  wait.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming& t) {
+    delayed_on = std::this_thread::get_id();
+    delayed.result = std::move(r);
+    delayed.timing = t;
+    delayed.done.Notify();
+  };
+  Outcome second;
+  Job again = MakeJob(&second);
+  again.inline_when_idle = true;
+  again.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming&) {
+    SubmitFromAnotherThread(scheduler, std::move(wait));
+    second.result = std::move(r);
+    second.done.Notify();
+  };
+  ASSERT_THAT(scheduler.Submit(std::move(again)), testing::IsOk());
+  delayed.done.WaitForNotification();
+  EXPECT_NE(delayed_on, std::this_thread::get_id());
+  EXPECT_THAT(delayed.result, testing::IsOk());
+  EXPECT_GE(delayed.timing.queue_us, 20000);
+}
+
 }  // namespace
 }  // namespace attention::server
