@@ -72,8 +72,13 @@ bool Scheduler::TakeDueBatch(std::deque<Job>& batch) {
   if (stopping_ || queue_.empty() || !queue_.front().inline_when_idle) return false;
   const Job& front = queue_.front();
   if (front.enqueued + front.max_queue_delay > absl::Now()) return false;
-  const std::string key = front.batch_key;
-  const int64_t limit = std::max<int32_t>(1, front.max_batch_size);
+  TakeFrontBatch(batch);
+  return true;
+}
+
+void Scheduler::TakeFrontBatch(std::deque<Job>& batch) {
+  const std::string key = queue_.front().batch_key;
+  const int64_t limit = std::max<int32_t>(1, queue_.front().max_batch_size);
   for (auto it = queue_.begin(); it != queue_.end() && static_cast<int64_t>(batch.size()) < limit;) {
     if (it->batch_key == key) {
       batch.push_back(std::move(*it));
@@ -85,7 +90,6 @@ bool Scheduler::TakeDueBatch(std::deque<Job>& batch) {
   if ((queued_per_key_[key] -= static_cast<int64_t>(batch.size())) == 0) {
     queued_per_key_.erase(key);
   }
-  return true;
 }
 
 int64_t Scheduler::queue_depth() const {
@@ -121,17 +125,10 @@ void Scheduler::Loop() {
               },
               &full),
           dispatch_by);
-      for (auto it = queue_.begin(); it != queue_.end() && static_cast<int64_t>(batch.size()) < limit;) {
-        if (it->batch_key == key) {
-          batch.push_back(std::move(*it));
-          it = queue_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      if ((queued_per_key_[key] -= static_cast<int64_t>(batch.size())) == 0) {
-        queued_per_key_.erase(key);
-      }
+      // The front job is the same: nothing else takes from the queue while the
+      // dispatcher waits (computing_ is false, and a queue that is not empty
+      // runs nothing inline).
+      TakeFrontBatch(batch);
       depth = static_cast<int64_t>(queue_.size());
       computing_ = true;
     }

@@ -86,6 +86,9 @@ class Scheduler {
   // Moves the batch of the queue's front job into `batch` when it is small
   // (inline_when_idle) and its delay is up; false, taking nothing, otherwise.
   bool TakeDueBatch(std::deque<Job>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the queue's front job and the next queued jobs of its batch_key, up
+  // to its max_batch_size, into `batch`. The queue must not be empty.
+  void TakeFrontBatch(std::deque<Job>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Engine* const engine_;
   const int64_t max_queue_;

@@ -4,6 +4,7 @@
 #include "server/scheduler.h"
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -53,6 +54,17 @@ class SchedulerTest : public ::testing::Test {
       out->done.Notify();
     };
     return job;
+  }
+
+  // A `done` that reports into `out` and records, in `on`, the thread it ran on.
+  static std::function<void(absl::StatusOr<AttentionResult>, const JobTiming&)> Recording(
+      Outcome* out, std::thread::id* on) {
+    return [out, on](absl::StatusOr<AttentionResult> r, const JobTiming& t) {
+      *on = std::this_thread::get_id();
+      out->result = std::move(r);
+      out->timing = t;
+      out->done.Notify();
+    };
   }
 
   // A job that holds the dispatcher until `release` is notified.
@@ -162,12 +174,7 @@ TEST_F(SchedulerTest, AnIdleSchedulerComputesASmallJobOnTheSubmittingThread) {
   std::thread::id ran_on;
   Job job = MakeJob(&out);
   job.inline_when_idle = true;
-  job.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming& t) {
-    ran_on = std::this_thread::get_id();
-    out.result = std::move(r);
-    out.timing = t;
-    out.done.Notify();
-  };
+  job.done = Recording(&out, &ran_on);
   ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
   ASSERT_TRUE(out.done.HasBeenNotified());  // answered before Submit returned
   EXPECT_EQ(ran_on, std::this_thread::get_id());
@@ -201,25 +208,17 @@ TEST_F(SchedulerTest, JobsThatQueuedBehindAnInlineJobRunOnItsThreadAsOneBatch) {
   Scheduler scheduler(engine_.get(), 8);
   Outcome first, later_a, later_b;
   std::thread::id first_on, a_on, b_on;
-  auto recording = [](Outcome* out, std::thread::id* on) {
-    return [out, on](absl::StatusOr<AttentionResult> r, const JobTiming& t) {
-      *on = std::this_thread::get_id();
-      out->result = std::move(r);
-      out->timing = t;
-      out->done.Notify();
-    };
-  };
   Job a = MakeJob(&later_a, /*max_batch=*/4);
   a.inline_when_idle = true;
-  a.done = recording(&later_a, &a_on);
+  a.done = Recording(&later_a, &a_on);
   Job b = MakeJob(&later_b, /*max_batch=*/4);
   b.inline_when_idle = true;
-  b.done = recording(&later_b, &b_on);
+  b.done = Recording(&later_b, &b_on);
   Job job = MakeJob(&first, /*max_batch=*/4);
   job.inline_when_idle = true;
   // While the first job is still computing (its answer is being given), two
   // more arrive from other threads and queue.
-  job.done = [&, record = recording(&first, &first_on)](absl::StatusOr<AttentionResult> r,
+  job.done = [&, record = Recording(&first, &first_on)](absl::StatusOr<AttentionResult> r,
                                                         const JobTiming& t) mutable {
     SubmitFromAnotherThread(scheduler, std::move(a));
     SubmitFromAnotherThread(scheduler, std::move(b));
@@ -241,21 +240,22 @@ TEST_F(SchedulerTest, JobsThatQueuedBehindAnInlineJobRunOnItsThreadAsOneBatch) {
 
 TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
   Scheduler scheduler(engine_.get(), 8);
-  Outcome first, large, delayed;
-  std::thread::id large_on, delayed_on;
+  Outcome first, large, delayed, second;
+  std::thread::id first_on, large_on, delayed_on, second_on;
+  // An inline job whose `done` first submits `next` from another thread.
+  auto submitting = [&](Outcome* out, std::thread::id* on, Job& next) {
+    Job job = MakeJob(out);
+    job.inline_when_idle = true;
+    job.done = [&scheduler, &next, record = Recording(out, on)](
+                   absl::StatusOr<AttentionResult> r, const JobTiming& t) mutable {
+      SubmitFromAnotherThread(scheduler, std::move(next));
+      record(std::move(r), t);
+    };
+    return job;
+  };
   Job big = MakeJob(&large);  // not inline_when_idle: too much work for a gRPC thread
-  big.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming&) {
-    large_on = std::this_thread::get_id();
-    large.result = std::move(r);
-    large.done.Notify();
-  };
-  Job job = MakeJob(&first);
-  job.inline_when_idle = true;
-  job.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming&) {
-    SubmitFromAnotherThread(scheduler, std::move(big));
-    first.result = std::move(r);
-    first.done.Notify();
-  };
+  big.done = Recording(&large, &large_on);
+  Job job = submitting(&first, &first_on, big);
   ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
   large.done.WaitForNotification();
   EXPECT_NE(large_on, std::this_thread::get_id());
@@ -265,20 +265,8 @@ TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
   // dispatcher too.
   Job wait = MakeJob(&delayed, /*max_batch=*/4, absl::Milliseconds(20));
   wait.inline_when_idle = true;
-  wait.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming& t) {
-    delayed_on = std::this_thread::get_id();
-    delayed.result = std::move(r);
-    delayed.timing = t;
-    delayed.done.Notify();
-  };
-  Outcome second;
-  Job again = MakeJob(&second);
-  again.inline_when_idle = true;
-  again.done = [&](absl::StatusOr<AttentionResult> r, const JobTiming&) {
-    SubmitFromAnotherThread(scheduler, std::move(wait));
-    second.result = std::move(r);
-    second.done.Notify();
-  };
+  wait.done = Recording(&delayed, &delayed_on);
+  Job again = submitting(&second, &second_on, wait);
   ASSERT_THAT(scheduler.Submit(std::move(again)), testing::IsOk());
   delayed.done.WaitForNotification();
   EXPECT_NE(delayed_on, std::this_thread::get_id());
