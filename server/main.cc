@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "engine/engine.h"
 #include "server/logging.h"
+#include "server/openmp_defaults.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 
@@ -93,10 +94,9 @@ absl::Status WritePortFile(const std::string& path, int port) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // The engine's OpenMP threads share the cores with gRPC's: idle ones sleep
-  // rather than spin (unless the environment says otherwise). Must precede
-  // the OpenMP runtime's start.
-  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
+  // Idle engine threads sleep rather than spin (unless the environment says
+  // otherwise): may execute this binary again, before anything else happens.
+  attention::server::ReexecWithOpenMpDefaults(argv);
   // Two malloc arenas, unless the environment says otherwise. glibc gives
   // threads their own arenas (up to 8 per core), and memory freed in one
   // cannot serve another: as gRPC's threads, which also compute small calls,

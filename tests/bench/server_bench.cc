@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -46,6 +45,7 @@
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "server/model_repository.h"
+#include "server/openmp_defaults.h"
 #include "server/server.h"
 #include "tests/bench/echo.grpc.pb.h"
 
@@ -288,6 +288,9 @@ struct Window {
 
 struct Samples {
   std::vector<double> latency_us;
+  // CPU time of this whole process (callers, servers and engine) while the
+  // window was open; 0 when not measured.
+  double cpu_seconds = 0;
   int64_t batch_size_sum = 0;
   int64_t queue_us_sum = 0;
   int64_t compute_us_sum = 0;
@@ -321,6 +324,7 @@ struct Samples {
     queue_us_sum += other.queue_us_sum;
     compute_us_sum += other.compute_us_sum;
     response_bytes = std::max(response_bytes, other.response_bytes);
+    cpu_seconds += other.cpu_seconds;
     if (errors == 0 && other.errors > 0) first_error = other.first_error;
     errors += other.errors;
   }
@@ -505,6 +509,7 @@ struct LoadResult {
   double mean_batch = 0;
   double mean_queue_us = 0;
   double mean_compute_us = 0;
+  double cpu_cores = 0;  // CPU time / measured time: cores this process kept busy
   int64_t request_bytes = 0;
   int64_t response_bytes = 0;
 };
@@ -524,6 +529,13 @@ struct Load {
   int64_t request_bytes = 0;
   std::function<absl::StatusOr<Samples>(absl::Duration warm_up, absl::Duration measure)> run;
 };
+
+// CPU time of this process so far: all its threads.
+double ProcessCpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + t.tv_nsec * 1e-9;
+}
 
 // A Load of `callers` callers of `Service` (AttentionService or Echo) at
 // `address`, kCallersPerChannel to a channel. `request` must outlive it.
@@ -553,9 +565,14 @@ absl::StatusOr<Load> MakeLoad(std::string name, const std::string& address, Mode
       }
     }
     for (std::unique_ptr<Caller>& caller : all) caller->Start();
+    std::this_thread::sleep_until(window.from);
+    const double cpu_from = ProcessCpuSeconds();
+    std::this_thread::sleep_until(window.to);
+    const double cpu_to = ProcessCpuSeconds();
     finished.Wait();
     Samples samples;
     for (const std::unique_ptr<Caller>& caller : all) samples.Merge(caller->samples());
+    samples.cpu_seconds = cpu_to - cpu_from;
     if (samples.errors > 0) {
       return absl::InternalError(absl::StrCat(samples.errors, " failed calls to ", address,
                                               ", the first: ", samples.first_error));
@@ -638,6 +655,7 @@ absl::StatusOr<std::vector<LoadResult>> Interleave(const std::vector<Load>& load
     r.mean_batch = samples[i].batch_size_sum / n;
     r.mean_queue_us = samples[i].queue_us_sum / n;
     r.mean_compute_us = samples[i].compute_us_sum / n;
+    r.cpu_cores = samples[i].cpu_seconds / absl::ToDoubleSeconds(measure);
     r.request_bytes = loads[i].request_bytes;
     r.response_bytes = samples[i].response_bytes;
     results.push_back(r);
@@ -743,11 +761,15 @@ absl::Status RunEndToEnd(const Context& ctx) {
       "compute_us;\nengine: the engine alone, one caller, mean ms per call; x echo: server QPS "
       "/ echo QPS;\nx bound: server QPS / (1 / (1/echo QPS + engine time)), i.e. against a "
       "server whose calls cost\nthe echo's share of the cores plus the engine's, nothing "
-      "overlapping; x sum: server mean latency / (echo\nmean latency + engine time).\n");
+      "overlapping; x sum: server mean latency / (echo\nmean latency + engine time); cpu: cores "
+      "this process (callers and server, or callers and echo) kept\nbusy while measured, out of "
+      "the machine's " +
+      std::to_string(std::thread::hardware_concurrency()) + ".\n");
   PrintLine(
-      absl::StrFormat("%-7s %-6s %3s %15s | %8s %7s %7s %7s | %8s %7s %7s | %7s | %6s %7s %6s",
-                      "load", "mode", "cal", "req+resp bytes", "srv QPS", "p50", "p99", "compute",
-                      "echo QPS", "p50", "p99", "engine", "x echo", "x bound", "x sum"));
+      absl::StrFormat(
+          "%-7s %-6s %3s %15s | %8s %7s %7s %7s %4s | %8s %7s %7s %4s | %7s | %6s %7s %6s", "load",
+          "mode", "cal", "req+resp bytes", "srv QPS", "p50", "p99", "compute", "cpu", "echo QPS",
+          "p50", "p99", "cpu", "engine", "x echo", "x bound", "x sum"));
   std::vector<std::string> shapes;
   for (const std::string& name : ctx.workloads) {
     ATTN_ASSIGN_OR_RETURN(Workload w, MakeWorkload(name, v1::Tensor::FLOAT32));
@@ -771,12 +793,13 @@ absl::Status RunEndToEnd(const Context& ctx) {
       const double bound_ratio = server.qps * (1 / echo.qps + engine.mean_us * 1e-6);
       const double sum_ratio = server.mean_us / (echo.mean_us + engine.mean_us);
       PrintLine(absl::StrFormat(
-          "%-7s %-6s %3d %7s+%-7s | %8.0f %7s %7s %7s | %8.0f %7s %7s | %7s | %5.2fx %6.2fx "
-          "%5.2fx",
+          "%-7s %-6s %3d %7s+%-7s | %8.0f %7s %7s %7s %4.2f | %8.0f %7s %7s %4.2f | %7s | %5.2fx "
+          "%6.2fx %5.2fx",
           name, ModeName(mode), w.callers, Bytes(server.request_bytes),
           Bytes(server.response_bytes), server.qps, Ms(server.p50_us), Ms(server.p99_us),
-          Ms(server.mean_compute_us), echo.qps, Ms(echo.p50_us), Ms(echo.p99_us),
-          Ms(engine.mean_us), qps_ratio, bound_ratio, sum_ratio));
+          Ms(server.mean_compute_us), server.cpu_cores, echo.qps, Ms(echo.p50_us),
+          Ms(echo.p99_us), echo.cpu_cores, Ms(engine.mean_us), qps_ratio, bound_ratio,
+          sum_ratio));
       if (std::abs(echo.response_bytes - server.response_bytes) > kResponseBytesSlack) {
         PrintLine(absl::StrFormat("  warning: echo answers %d bytes, the server %d",
                                   echo.response_bytes, server.response_bytes));
@@ -976,8 +999,8 @@ absl::Status Run() {
 
 int main(int argc, char** argv) {
   // As attention_server does: idle OpenMP threads sleep instead of spinning on
-  // the cores gRPC needs.
-  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
+  // the cores gRPC needs (may execute this binary again).
+  attention::server::ReexecWithOpenMpDefaults(argv);
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::ParseCommandLine(argc, argv);
   if (absl::Status status = attention::Run(); !status.ok()) {
