@@ -22,7 +22,7 @@ namespace attention::server {
 namespace {
 
 // Calls up to this much work (about 20 us on one core) compute on the gRPC
-// thread that received them when the engine is idle (Job::inline_when_idle):
+// thread that received them when an engine thread is free (Job::inline_when_idle):
 // for them the hand-offs to the scheduler's thread and back cost more than
 // the math, and a gRPC thread is never held for long.
 constexpr double kInlineMaxFlops = 1e6;

@@ -1,5 +1,6 @@
 #include "server/scheduler.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -8,8 +9,12 @@
 
 namespace attention::server {
 
-Scheduler::Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks)
-    : engine_(engine), max_queue_(max_queue), hooks_(std::move(hooks)) {
+Scheduler::Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks,
+                     int max_inline)
+    : engine_(engine),
+      max_queue_(max_queue),
+      max_inline_(max_inline > 0 ? max_inline : std::max(1, engine->threads())),
+      hooks_(std::move(hooks)) {
   dispatcher_ = std::thread([this] { Loop(); });
 }
 
@@ -33,8 +38,9 @@ absl::Status Scheduler::Submit(Job job) {
           max_queue_, "); retry with backoff"));
     }
     job.enqueued = absl::Now();
-    if (job.inline_when_idle && !computing_ && queue_.empty()) {
-      computing_ = true;
+    if (job.inline_when_idle && !dispatching_ && inline_threads_ < max_inline_ &&
+        queue_.empty()) {
+      ++inline_threads_;
       run_here = true;
     } else {
       ++queued_per_key_[job.batch_key];
@@ -47,22 +53,24 @@ absl::Status Scheduler::Submit(Job job) {
     std::deque<Job> batch;
     batch.push_back(std::move(job));
     Run(batch);
-    for (int taken = 0; taken < kMaxBatchesAfterInline; ++taken) {
+    int held = 1;  // of the engine's threads
+    for (int taken = 0;; ++taken) {
       batch.clear();
       {
         absl::MutexLock lock(&mu_);
-        if (!TakeDueBatch(batch)) {
-          computing_ = false;  // the dispatcher takes whatever is left
+        // Only a thread computing alone goes on: the last inline one to
+        // finish, or the dispatcher, takes whatever is left.
+        if (taken == kMaxBatchesAfterInline || inline_threads_ > held || !TakeDueBatch(batch)) {
+          inline_threads_ -= held;
           break;
         }
+        // A batch of small jobs may be large enough for all the engine's
+        // threads: while it computes, no other job starts inline.
+        held = inline_threads_ = max_inline_;
         depth = static_cast<int64_t>(queue_.size());
       }
       if (hooks_.queue_depth) hooks_.queue_depth(depth);
       Run(batch);
-    }
-    if (!batch.empty()) {
-      absl::MutexLock lock(&mu_);
-      computing_ = false;
     }
   }
   return absl::OkStatus();
@@ -105,7 +113,7 @@ void Scheduler::Loop() {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](Scheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-            return !s->computing_ && (s->stopping_ || !s->queue_.empty());
+            return s->inline_threads_ == 0 && (s->stopping_ || !s->queue_.empty());
           },
           this));
       if (queue_.empty()) return;  // stopping, and nothing left to run
@@ -126,16 +134,16 @@ void Scheduler::Loop() {
               &full),
           dispatch_by);
       // The front job is the same: nothing else takes from the queue while the
-      // dispatcher waits (computing_ is false, and a queue that is not empty
-      // runs nothing inline).
+      // dispatcher waits (no inline batch is running, and a queue that is not
+      // empty starts none).
       TakeFrontBatch(batch);
       depth = static_cast<int64_t>(queue_.size());
-      computing_ = true;
+      dispatching_ = true;
     }
     if (hooks_.queue_depth) hooks_.queue_depth(depth);
     Run(batch);
     absl::MutexLock lock(&mu_);
-    computing_ = false;
+    dispatching_ = false;
   }
 }
 

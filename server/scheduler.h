@@ -30,15 +30,16 @@ struct Job {
   std::string batch_key;
   int32_t max_batch_size = 1;
   absl::Duration max_queue_delay;
-  // A small job (tens of microseconds of compute): when the engine is idle
-  // and nothing is queued, Submit computes it on the calling thread, which
-  // saves the two thread hand-offs to the dispatcher and back that would
-  // otherwise cost more than its compute.
+  // A small job (tens of microseconds of compute, on one thread): when
+  // nothing is queued, the dispatcher is not computing and fewer small jobs
+  // than the engine has threads are computing, Submit computes it on the
+  // calling thread. That saves the two thread hand-offs to the dispatcher and
+  // back, which would cost more than its compute.
   bool inline_when_idle = false;
   absl::Time deadline = absl::InfiniteFuture();
   // True once the caller is gone; may be empty.
   std::function<bool()> cancelled;
-  // Called exactly once, on the scheduler's thread (or in Submit, see
+  // Called exactly once, on the scheduler's thread (or in a Submit, see
   // inline_when_idle): the result, or
   // CANCELLED / DEADLINE_EXCEEDED when the caller left before compute began.
   std::function<void(absl::StatusOr<AttentionResult>, const JobTiming&)> done;
@@ -58,13 +59,17 @@ struct SchedulerHooks {
 // call, which it computes itself (Engine::AttendBatchOnThisThread: the
 // dispatcher owns the cores), up to the job's max_batch_size, waiting at most
 // its max_queue_delay for others to join. Jobs whose caller left or whose
-// deadline passed are answered without compute. One batch computes at a
-// time, on the dispatcher or, for an inline_when_idle job, on the thread that
-// submits it. Thread-safe.
+// deadline passed are answered without compute. The dispatcher's batches
+// compute alone, on all the engine's threads. Small (inline_when_idle) jobs
+// compute on the threads that submit them, several at once (each on one
+// thread) but never beside the dispatcher. Thread-safe.
 class Scheduler {
  public:
-  // `engine` must outlive the scheduler. Starts the dispatcher thread.
-  Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks = {});
+  // `engine` must outlive the scheduler. Starts the dispatcher thread. At most
+  // `max_inline` small jobs compute inline at once; 0 means one per engine
+  // thread.
+  Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks = {},
+            int max_inline = 0);
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
   // Runs every job still queued, then stops.
@@ -81,7 +86,8 @@ class Scheduler {
   void Loop();
   void Run(std::deque<Job>& batch);
   // After an inline job, its thread goes on with up to this many batches that
-  // are already due, rather than waking the dispatcher for them.
+  // are already due, rather than waking the dispatcher for them, as long as
+  // no other inline job is computing (a batch of small jobs may be large).
   static constexpr int kMaxBatchesAfterInline = 4;
   // Moves the batch of the queue's front job into `batch` when it is small
   // (inline_when_idle) and its delay is up; false, taking nothing, otherwise.
@@ -92,13 +98,17 @@ class Scheduler {
 
   const Engine* const engine_;
   const int64_t max_queue_;
+  const int max_inline_;
   const SchedulerHooks hooks_;
 
   mutable absl::Mutex mu_;
   std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> queued_per_key_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool computing_ ABSL_GUARDED_BY(mu_) = false;  // a batch is running
+  // Engine threads held by batches computing in Submit: one for a small job,
+  // all of them (max_inline_) for a batch of queued jobs.
+  int inline_threads_ ABSL_GUARDED_BY(mu_) = 0;
+  bool dispatching_ ABSL_GUARDED_BY(mu_) = false;  // the dispatcher is computing
   std::thread dispatcher_;
 };
 

@@ -205,7 +205,7 @@ void SubmitFromAnotherThread(Scheduler& scheduler, Job job) {
 }
 
 TEST_F(SchedulerTest, JobsThatQueuedBehindAnInlineJobRunOnItsThreadAsOneBatch) {
-  Scheduler scheduler(engine_.get(), 8);
+  Scheduler scheduler(engine_.get(), 8, {}, /*max_inline=*/1);
   Outcome first, later_a, later_b;
   std::thread::id first_on, a_on, b_on;
   Job a = MakeJob(&later_a, /*max_batch=*/4);
@@ -239,7 +239,7 @@ TEST_F(SchedulerTest, JobsThatQueuedBehindAnInlineJobRunOnItsThreadAsOneBatch) {
 }
 
 TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
-  Scheduler scheduler(engine_.get(), 8);
+  Scheduler scheduler(engine_.get(), 8, {}, /*max_inline=*/1);
   Outcome first, large, delayed, second;
   std::thread::id first_on, large_on, delayed_on, second_on;
   // An inline job whose `done` first submits `next` from another thread.
@@ -272,6 +272,84 @@ TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
   EXPECT_NE(delayed_on, std::this_thread::get_id());
   EXPECT_THAT(delayed.result, testing::IsOk());
   EXPECT_GE(delayed.timing.queue_us, 20000);
+}
+
+TEST_F(SchedulerTest, SmallJobsComputeInlineSideBySideUpToMaxInline) {
+  Scheduler scheduler(engine_.get(), 8, {}, /*max_inline=*/2);
+  Outcome first, second;
+  std::thread::id first_on, second_on, second_submitted_on;
+  Job next = MakeJob(&second, /*max_batch=*/4);
+  next.inline_when_idle = true;
+  next.done = Recording(&second, &second_on);
+  Job job = MakeJob(&first, /*max_batch=*/4);
+  job.inline_when_idle = true;
+  // While the first computes (its answer is being given), a second arrives on
+  // another thread: with a thread of the engine free, it computes there at
+  // once, before its Submit returns.
+  job.done = [&, record = Recording(&first, &first_on)](absl::StatusOr<AttentionResult> r,
+                                                        const JobTiming& t) mutable {
+    std::thread([&] {
+      second_submitted_on = std::this_thread::get_id();
+      ASSERT_THAT(scheduler.Submit(std::move(next)), testing::IsOk());
+      EXPECT_TRUE(second.done.HasBeenNotified());
+    }).join();
+    record(std::move(r), t);
+  };
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  ASSERT_TRUE(second.done.HasBeenNotified());
+  EXPECT_EQ(first_on, std::this_thread::get_id());
+  EXPECT_EQ(second_on, second_submitted_on);
+  EXPECT_THAT(second.result, testing::IsOk());
+  EXPECT_EQ(second.timing.batch_size, 1);
+}
+
+TEST_F(SchedulerTest, BeyondMaxInlineSmallJobsQueueForTheLastInlineThreadToFinish) {
+  Scheduler scheduler(engine_.get(), 8, {}, /*max_inline=*/2);
+  Outcome a, b, c, d;
+  std::thread::id a_on, b_on, c_on, d_on;
+  auto small = [&](Outcome* out, std::thread::id* on) {
+    Job job = MakeJob(out, /*max_batch=*/4);
+    job.inline_when_idle = true;
+    job.done = Recording(out, on);
+    return job;
+  };
+  Job job_d = small(&d, &d_on);
+  Job job_c = small(&c, &c_on);
+  // c computes as a batch taken from the queue, which may need all the
+  // engine's threads: d, arriving meanwhile, queues although a thread is free.
+  job_c.done = [&, record = Recording(&c, &c_on)](absl::StatusOr<AttentionResult> r,
+                                                  const JobTiming& t) mutable {
+    SubmitFromAnotherThread(scheduler, std::move(job_d));
+    EXPECT_FALSE(d.done.HasBeenNotified());
+    record(std::move(r), t);
+  };
+  Job job_b = small(&b, &b_on);
+  // b computes inline beside a; c, arriving while both do, queues, and b,
+  // finishing first, leaves it to a.
+  job_b.done = [&, record = Recording(&b, &b_on)](absl::StatusOr<AttentionResult> r,
+                                                  const JobTiming& t) mutable {
+    SubmitFromAnotherThread(scheduler, std::move(job_c));
+    EXPECT_FALSE(c.done.HasBeenNotified());
+    EXPECT_EQ(scheduler.queue_depth(), 1);
+    record(std::move(r), t);
+  };
+  Job job_a = small(&a, &a_on);
+  job_a.done = [&, record = Recording(&a, &a_on)](absl::StatusOr<AttentionResult> r,
+                                                  const JobTiming& t) mutable {
+    SubmitFromAnotherThread(scheduler, std::move(job_b));
+    EXPECT_TRUE(b.done.HasBeenNotified());
+    EXPECT_FALSE(c.done.HasBeenNotified());
+    record(std::move(r), t);
+  };
+  ASSERT_THAT(scheduler.Submit(std::move(job_a)), testing::IsOk());
+  // a's thread, alone once b was done, took c and then d.
+  ASSERT_TRUE(c.done.HasBeenNotified());
+  ASSERT_TRUE(d.done.HasBeenNotified());
+  EXPECT_NE(b_on, std::this_thread::get_id());
+  EXPECT_EQ(c_on, std::this_thread::get_id());
+  EXPECT_EQ(d_on, std::this_thread::get_id());
+  for (Outcome* o : {&a, &b, &c, &d}) EXPECT_THAT(o->result, testing::IsOk());
+  EXPECT_EQ(scheduler.queue_depth(), 0);
 }
 
 }  // namespace
