@@ -67,6 +67,15 @@ class SchedulerTest : public ::testing::Test {
     };
   }
 
+  // A small job (inline_when_idle), up to 4 to a batch, reporting into `out`
+  // and recording in `on` the thread it ran on.
+  Job SmallJob(Outcome* out, std::thread::id* on) {
+    Job job = MakeJob(out, /*max_batch=*/4);
+    job.inline_when_idle = true;
+    job.done = Recording(out, on);
+    return job;
+  }
+
   // A job that holds the dispatcher until `release` is notified.
   Job Blocker(Outcome* out, absl::Notification* started, absl::Notification* release) {
     Job job = MakeJob(out);
@@ -208,14 +217,9 @@ TEST_F(SchedulerTest, JobsThatQueuedBehindAnInlineJobRunOnItsThreadAsOneBatch) {
   Scheduler scheduler(engine_.get(), 8, {}, /*max_inline=*/1);
   Outcome first, later_a, later_b;
   std::thread::id first_on, a_on, b_on;
-  Job a = MakeJob(&later_a, /*max_batch=*/4);
-  a.inline_when_idle = true;
-  a.done = Recording(&later_a, &a_on);
-  Job b = MakeJob(&later_b, /*max_batch=*/4);
-  b.inline_when_idle = true;
-  b.done = Recording(&later_b, &b_on);
-  Job job = MakeJob(&first, /*max_batch=*/4);
-  job.inline_when_idle = true;
+  Job a = SmallJob(&later_a, &a_on);
+  Job b = SmallJob(&later_b, &b_on);
+  Job job = SmallJob(&first, &first_on);
   // While the first job is still computing (its answer is being given), two
   // more arrive from other threads and queue.
   job.done = [&, record = Recording(&first, &first_on)](absl::StatusOr<AttentionResult> r,
@@ -278,11 +282,8 @@ TEST_F(SchedulerTest, SmallJobsComputeInlineSideBySideUpToMaxInline) {
   Scheduler scheduler(engine_.get(), 8, {}, /*max_inline=*/2);
   Outcome first, second;
   std::thread::id first_on, second_on, second_submitted_on;
-  Job next = MakeJob(&second, /*max_batch=*/4);
-  next.inline_when_idle = true;
-  next.done = Recording(&second, &second_on);
-  Job job = MakeJob(&first, /*max_batch=*/4);
-  job.inline_when_idle = true;
+  Job next = SmallJob(&second, &second_on);
+  Job job = SmallJob(&first, &first_on);
   // While the first computes (its answer is being given), a second arrives on
   // another thread: with a thread of the engine free, it computes there at
   // once, before its Submit returns.
@@ -307,14 +308,8 @@ TEST_F(SchedulerTest, BeyondMaxInlineSmallJobsQueueForTheLastInlineThreadToFinis
   Scheduler scheduler(engine_.get(), 8, {}, /*max_inline=*/2);
   Outcome a, b, c, d;
   std::thread::id a_on, b_on, c_on, d_on;
-  auto small = [&](Outcome* out, std::thread::id* on) {
-    Job job = MakeJob(out, /*max_batch=*/4);
-    job.inline_when_idle = true;
-    job.done = Recording(out, on);
-    return job;
-  };
-  Job job_d = small(&d, &d_on);
-  Job job_c = small(&c, &c_on);
+  Job job_d = SmallJob(&d, &d_on);
+  Job job_c = SmallJob(&c, &c_on);
   // c computes as a batch taken from the queue, which may need all the
   // engine's threads: d, arriving meanwhile, queues although a thread is free.
   job_c.done = [&, record = Recording(&c, &c_on)](absl::StatusOr<AttentionResult> r,
@@ -323,7 +318,7 @@ TEST_F(SchedulerTest, BeyondMaxInlineSmallJobsQueueForTheLastInlineThreadToFinis
     EXPECT_FALSE(d.done.HasBeenNotified());
     record(std::move(r), t);
   };
-  Job job_b = small(&b, &b_on);
+  Job job_b = SmallJob(&b, &b_on);
   // b computes inline beside a; c, arriving while both do, queues, and b,
   // finishing first, leaves it to a.
   job_b.done = [&, record = Recording(&b, &b_on)](absl::StatusOr<AttentionResult> r,
@@ -333,7 +328,7 @@ TEST_F(SchedulerTest, BeyondMaxInlineSmallJobsQueueForTheLastInlineThreadToFinis
     EXPECT_EQ(scheduler.queue_depth(), 1);
     record(std::move(r), t);
   };
-  Job job_a = small(&a, &a_on);
+  Job job_a = SmallJob(&a, &a_on);
   job_a.done = [&, record = Recording(&a, &a_on)](absl::StatusOr<AttentionResult> r,
                                                   const JobTiming& t) mutable {
     SubmitFromAnotherThread(scheduler, std::move(job_b));
