@@ -56,6 +56,9 @@ ABSL_FLAG(double, max_connection_age_seconds,
           attention::ServerOptions().max_connection_age_seconds,
           "Connections older than this are asked to reconnect (after up to --drain_seconds for "
           "their calls), so DNS-balancing clients spread onto new replicas; 0: never");
+ABSL_FLAG(int32_t, max_concurrent_streams, attention::ServerOptions().max_concurrent_streams,
+          "Calls (unary calls and streams) one connection may have open at once; clients hold "
+          "the rest on their side until one ends. 0: no limit");
 ABSL_FLAG(std::string, tls_cert, "", "Server certificate (PEM); with --tls_key serves TLS");
 ABSL_FLAG(std::string, tls_key, "", "Server private key (PEM)");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -144,6 +147,7 @@ int main(int argc, char** argv) {
   options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   options.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   options.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
+  options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);

@@ -125,6 +125,10 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
         absl::StrCat("max_connection_age_seconds: ", options.max_connection_age_seconds,
                      " must be in [0, ", kMaxSeconds, "] (0 keeps connections)"));
   }
+  if (options.max_concurrent_streams < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_concurrent_streams: ", options.max_concurrent_streams, " must be >= 0 (0: no limit)"));
+  }
   InitGrpcOnce();
 
   auto impl = std::make_unique<Impl>();
@@ -173,6 +177,9 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   builder.SetMaxSendMessageSize(max_message_bytes);
   // A second server on a taken port must fail, not silently share the traffic.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (options.max_concurrent_streams > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  }
   if (options.max_connection_age_seconds > 0) {
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
                                static_cast<int>(options.max_connection_age_seconds * 1000));

@@ -55,6 +55,14 @@ struct ServerOptions {
   // (dns:/// + round_robin) re-resolve and spread onto replicas added since
   // they connected. 0 keeps connections for ever.
   double max_connection_age_seconds = 0;
+
+  // Calls (unary calls and streams) one connection may have open at once:
+  // HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS. A client holds the calls beyond
+  // it on its own side until one ends, so a caller that sends faster than the
+  // server answers waits there, instead of piling calls into the server's
+  // transport, where --max_queue does not see them. An open AttendStream
+  // holds its place for as long as it is open. 0: no limit.
+  int32_t max_concurrent_streams = 256;
   EngineOptions engine;
 };
 

@@ -11,11 +11,14 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "attention/v1/service.grpc.pb.h"
 #include "client/tensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
 #include "httplib.h"
 #include "server/metrics.h"
 #include "tests/safetensors_writer.h"
@@ -240,6 +243,52 @@ TEST(ConnectionAgeTest, ANegativeAgeIsRefused) {
   options.max_connection_age_seconds = -1;
   EXPECT_THAT(AttentionServer::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_connection_age_seconds")));
+}
+
+// --max_concurrent_streams: calls beyond the limit wait on the client's side
+// of the connection until one ends, rather than piling into the server.
+TEST(StreamLimitTest, ACallBeyondTheLimitWaitsUntilAnotherEnds) {
+  ServerOptions options;
+  options.max_concurrent_streams = 2;
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  // All on the client's one connection.
+  std::unique_ptr<v1::AttentionService::Stub> stub =
+      v1::AttentionService::NewStub((*server)->client().channel());
+  using Stream = grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>;
+  grpc::ClientContext contexts[2];
+  std::unique_ptr<Stream> open[2];
+  for (int i = 0; i < 2; ++i) {
+    open[i] = stub->AttendStream(&contexts[i]);
+    v1::AttendResponse answer;
+    ASSERT_TRUE(open[i]->Write(Small("open")) && open[i]->Read(&answer));
+    ASSERT_EQ(answer.status().code(), 0);
+  }
+  // A third call: a unary one, which the two open streams hold back.
+  absl::Notification answered;
+  absl::StatusOr<v1::AttendResponse> third = absl::UnknownError("not answered");
+  std::thread caller([&] {
+    third = (*server)->client().Attend(Small("third"));
+    answered.Notify();
+  });
+  // A wait, not a synchronisation: with the limit broken it is answered in
+  // about a millisecond.
+  EXPECT_FALSE(answered.WaitForNotificationWithTimeout(absl::Milliseconds(300)));
+  open[0]->WritesDone();
+  EXPECT_TRUE(open[0]->Finish().ok());
+  EXPECT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  caller.join();
+  EXPECT_THAT(third, IsOk());
+  open[1]->WritesDone();
+  EXPECT_TRUE(open[1]->Finish().ok());
+}
+
+TEST(StreamLimitTest, ANegativeLimitIsRefused) {
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.max_concurrent_streams = -1;
+  EXPECT_THAT(AttentionServer::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_concurrent_streams")));
 }
 
 }  // namespace
