@@ -67,6 +67,17 @@ class SchedulerTest : public ::testing::Test {
     };
   }
 
+  // Recording, after first running `meanwhile` while the job still counts as
+  // computing (e.g. submitting more jobs from other threads).
+  static std::function<void(absl::StatusOr<AttentionResult>, const JobTiming&)> RecordingAfter(
+      Outcome* out, std::thread::id* on, std::function<void()> meanwhile) {
+    return [record = Recording(out, on), meanwhile = std::move(meanwhile)](
+               absl::StatusOr<AttentionResult> r, const JobTiming& t) {
+      meanwhile();
+      record(std::move(r), t);
+    };
+  }
+
   // A small job (inline_when_idle), up to 4 to a batch, reporting into `out`
   // and recording in `on` the thread it ran on.
   Job SmallJob(Outcome* out, std::thread::id* on) {
@@ -222,12 +233,10 @@ TEST_F(SchedulerTest, JobsThatQueuedBehindAnInlineJobRunOnItsThreadAsOneBatch) {
   Job job = SmallJob(&first, &first_on);
   // While the first job is still computing (its answer is being given), two
   // more arrive from other threads and queue.
-  job.done = [&, record = Recording(&first, &first_on)](absl::StatusOr<AttentionResult> r,
-                                                        const JobTiming& t) mutable {
+  job.done = RecordingAfter(&first, &first_on, [&] {
     SubmitFromAnotherThread(scheduler, std::move(a));
     SubmitFromAnotherThread(scheduler, std::move(b));
-    record(std::move(r), t);
-  };
+  });
   ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
   // Submit returned after answering all three: its thread took the two queued
   // jobs, due at once (no delay), in one batch, instead of waking the dispatcher.
@@ -250,11 +259,9 @@ TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
   auto submitting = [&](Outcome* out, std::thread::id* on, Job& next) {
     Job job = MakeJob(out);
     job.inline_when_idle = true;
-    job.done = [&scheduler, &next, record = Recording(out, on)](
-                   absl::StatusOr<AttentionResult> r, const JobTiming& t) mutable {
+    job.done = RecordingAfter(out, on, [&scheduler, &next] {
       SubmitFromAnotherThread(scheduler, std::move(next));
-      record(std::move(r), t);
-    };
+    });
     return job;
   };
   Job big = MakeJob(&large);  // not inline_when_idle: too much work for a gRPC thread
@@ -287,15 +294,13 @@ TEST_F(SchedulerTest, SmallJobsComputeInlineSideBySideUpToMaxInline) {
   // While the first computes (its answer is being given), a second arrives on
   // another thread: with a thread of the engine free, it computes there at
   // once, before its Submit returns.
-  job.done = [&, record = Recording(&first, &first_on)](absl::StatusOr<AttentionResult> r,
-                                                        const JobTiming& t) mutable {
+  job.done = RecordingAfter(&first, &first_on, [&] {
     std::thread([&] {
       second_submitted_on = std::this_thread::get_id();
       ASSERT_THAT(scheduler.Submit(std::move(next)), testing::IsOk());
       EXPECT_TRUE(second.done.HasBeenNotified());
     }).join();
-    record(std::move(r), t);
-  };
+  });
   ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
   ASSERT_TRUE(second.done.HasBeenNotified());
   EXPECT_EQ(first_on, std::this_thread::get_id());
@@ -312,30 +317,24 @@ TEST_F(SchedulerTest, BeyondMaxInlineSmallJobsQueueForTheLastInlineThreadToFinis
   Job job_c = SmallJob(&c, &c_on);
   // c computes as a batch taken from the queue, which may need all the
   // engine's threads: d, arriving meanwhile, queues although a thread is free.
-  job_c.done = [&, record = Recording(&c, &c_on)](absl::StatusOr<AttentionResult> r,
-                                                  const JobTiming& t) mutable {
+  job_c.done = RecordingAfter(&c, &c_on, [&] {
     SubmitFromAnotherThread(scheduler, std::move(job_d));
     EXPECT_FALSE(d.done.HasBeenNotified());
-    record(std::move(r), t);
-  };
+  });
   Job job_b = SmallJob(&b, &b_on);
   // b computes inline beside a; c, arriving while both do, queues, and b,
   // finishing first, leaves it to a.
-  job_b.done = [&, record = Recording(&b, &b_on)](absl::StatusOr<AttentionResult> r,
-                                                  const JobTiming& t) mutable {
+  job_b.done = RecordingAfter(&b, &b_on, [&] {
     SubmitFromAnotherThread(scheduler, std::move(job_c));
     EXPECT_FALSE(c.done.HasBeenNotified());
     EXPECT_EQ(scheduler.queue_depth(), 1);
-    record(std::move(r), t);
-  };
+  });
   Job job_a = SmallJob(&a, &a_on);
-  job_a.done = [&, record = Recording(&a, &a_on)](absl::StatusOr<AttentionResult> r,
-                                                  const JobTiming& t) mutable {
+  job_a.done = RecordingAfter(&a, &a_on, [&] {
     SubmitFromAnotherThread(scheduler, std::move(job_b));
     EXPECT_TRUE(b.done.HasBeenNotified());
     EXPECT_FALSE(c.done.HasBeenNotified());
-    record(std::move(r), t);
-  };
+  });
   ASSERT_THAT(scheduler.Submit(std::move(job_a)), testing::IsOk());
   // a's thread, alone once b was done, took c and then d.
   ASSERT_TRUE(c.done.HasBeenNotified());
