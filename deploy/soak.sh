@@ -170,8 +170,12 @@ floor=$(( seconds / 2 < 30 ? seconds / 2 : 30 ))
 (( warmup < floor )) && warmup=$floor
 (( warmup > 120 )) && warmup=120
 rss() { awk '$1 == "VmRSS:" { print $2 }' "/proc/$SERVER_PID/status"; }
+# The engine's output pool (freed blocks of 1 MiB and more, kept for reuse),
+# in KiB: part of the RSS, and raised for good by a burst of large calls.
+metrics_port=$(server_metrics_port)
+pooled() { echo $(( $(metric "$metrics_port" attention_engine_pooled_bytes) / 1024 )); }
 fds() { find "/proc/$SERVER_PID/fd" -mindepth 1 -maxdepth 1 | wc -l; }
-rss_warm="" fds_warm="" fds_max=0 rss_end=0 samples=0
+rss_warm="" fds_warm="" fds_max=0 rss_end=0 samples=0 pooled_warm=0 pooled_end=0
 start=$SECONDS
 # Bounded: the runs end after `seconds`, plus their drain (10 s timeouts).
 while (( SECONDS - start < seconds + 60 )); do
@@ -183,11 +187,12 @@ while (( SECONDS - start < seconds + 60 )); do
   samples=$((samples + 1))
   echo "$((SECONDS - start)) $now_rss $now_fds" >>"$tmp/samples"
   if [[ -z $rss_warm ]] && (( SECONDS - start >= warmup )); then
-    rss_warm=$now_rss fds_warm=$now_fds
+    rss_warm=$now_rss fds_warm=$now_fds pooled_warm=$(pooled)
   fi
   if [[ -n $rss_warm ]]; then
     (( now_fds > fds_max )) && fds_max=$now_fds
     rss_end=$now_rss
+    pooled_end=$(pooled)
   fi
   sleep 2
 done
@@ -210,6 +215,8 @@ growth=$(jq -n --argjson a "$rss_warm" --argjson b "$rss_end" '($b - $a) * 100 /
 fd_growth=$((fds_max - fds_warm))
 printf 'server RSS  %d KiB after the %d s warm-up, %d KiB at the end: %+.2f%% (limit < 5%%)\n' \
   "$rss_warm" "$warmup" "$rss_end" "$growth"
+printf 'server pool %d KiB of engine output blocks kept for reuse after the warm-up, %d KiB at the end (part of the RSS)\n' \
+  "$pooled_warm" "$pooled_end"
 printf 'server fds  %d after the warm-up, at most %d later: %+d (limit <= 4); %d samples\n' \
   "$fds_warm" "$fds_max" "$fd_growth" "$samples"
 # The RSS curve, ten points: a leak climbs steadily, a cache levels off.

@@ -106,6 +106,12 @@ void FreeOutputMemory(void* user, size_t /*bytes*/) {
   std::free(p);
 }
 
+size_t PooledOutputBytes() {
+  OutputPool& pool = Pool();
+  absl::MutexLock lock(&pool.mu);
+  return pool.free_bytes;
+}
+
 namespace internal {
 
 bool IsFloat(DType d) {

@@ -43,6 +43,9 @@ struct TensorView {
 // reused one none. Thread-safe.
 void* AllocateOutputMemory(size_t bytes);
 void FreeOutputMemory(void* p, size_t bytes);
+// Bytes of freed blocks the pool keeps for reuse now (this process's RSS
+// includes them, and a burst of large calls raises them for good).
+size_t PooledOutputBytes();
 
 // An allocator that leaves new elements of trivial types uninitialised: the
 // engine writes every element of its outputs, from several threads, so

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "engine/attention.h"
 #include "httplib.h"
 
 namespace attention::server {
@@ -215,6 +216,10 @@ std::string Metrics::RenderPrometheus() const {
   AppendHeader("attention_in_flight", "gauge", "Calls being handled.", &out);
   AppendSample("attention_in_flight", "", absl::StrCat(in_flight_.load(std::memory_order_relaxed)),
                &out);
+
+  AppendHeader("attention_engine_pooled_bytes", "gauge",
+               "Freed engine output blocks (1 MiB and more) kept for reuse, up to 512 MiB.", &out);
+  AppendSample("attention_engine_pooled_bytes", "", absl::StrCat(PooledOutputBytes()), &out);
 
   AppendHeader("attention_not_computed_total", "counter",
                "Requests dropped before compute because their call was cancelled or past its "

@@ -25,6 +25,7 @@ namespace attention::server {
 //   attention_latency_seconds{stage,method}                histogram
 //   attention_batch_size                                   histogram
 //   attention_queue_depth, attention_in_flight             gauges
+//   attention_engine_pooled_bytes                          gauge (the process's)
 //   attention_not_computed_total{reason}                   counter
 // Label values are free text (escaped when rendered). Thread-safe; recording
 // takes one short mutex hold (gauges are lock-free).

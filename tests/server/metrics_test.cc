@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "engine/attention.h"
 #include "gmock/gmock.h"
 #include "grpcpp/support/status.h"
 #include "gtest/gtest.h"
@@ -205,6 +206,20 @@ void ExpectHistogramsConsistent(const Exposition& exposition) {
   }
 }
 
+// The engine's output pool is the process's: a freed block of 1 MiB or more
+// joins it, and the gauge shows it.
+TEST(MetricsTest, PooledBytesShowFreedEngineOutputBlocks) {
+  constexpr size_t kBytes = (size_t{3} << 20) + 12345;
+  void* block = AllocateOutputMemory(kBytes);
+  const size_t before = PooledOutputBytes();
+  FreeOutputMemory(block, kBytes);
+  const size_t after = PooledOutputBytes();
+  EXPECT_GE(after - before, kBytes);
+  Metrics metrics;
+  EXPECT_THAT(Parse(metrics.RenderPrometheus()).Value("attention_engine_pooled_bytes"),
+              Optional(static_cast<double>(after)));
+}
+
 TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
   Metrics metrics;
   const Exposition exposition = Parse(metrics.RenderPrometheus());
@@ -214,6 +229,7 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
                                   {"attention_batch_size", "histogram"},
                                   {"attention_queue_depth", "gauge"},
                                   {"attention_in_flight", "gauge"},
+                                  {"attention_engine_pooled_bytes", "gauge"},
                                   {"attention_not_computed_total", "counter"},
                               }));
   EXPECT_THAT(exposition.Value("attention_queue_depth"), Optional(0.0));
