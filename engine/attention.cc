@@ -1,8 +1,13 @@
 #include "engine/attention.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <iterator>
 #include <map>
 #include <new>
 
@@ -55,13 +60,29 @@ namespace {
 
 constexpr size_t kPooledMin = size_t{1} << 20;
 constexpr size_t kPoolCap = size_t{512} << 20;
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 
-// Freed large blocks by size. Every block starts with a 64-byte header holding
-// its size, so the memory handed out stays 64-byte aligned.
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Freed large blocks by size, each with when it was freed. Every block starts
+// with a 64-byte header holding its size, so the memory handed out stays
+// 64-byte aligned.
 struct OutputPool {
+  struct Block {
+    void* p;
+    int64_t freed_ns;
+  };
   absl::Mutex mu;
-  std::multimap<size_t, void*> free_blocks ABSL_GUARDED_BY(mu);
+  std::multimap<size_t, Block> free_blocks ABSL_GUARDED_BY(mu);
   size_t free_bytes ABSL_GUARDED_BY(mu) = 0;
+  std::atomic<int64_t> idle_limit_ns{int64_t{10} * 1000 * 1000 * 1000};
+  // No pooled block was freed before this (kNever: none is pooled), so most
+  // allocations see that nothing is stale without taking the lock.
+  std::atomic<int64_t> oldest_freed_ns{kNever};
 };
 
 OutputPool& Pool() {
@@ -69,16 +90,45 @@ OutputPool& Pool() {
   return *pool;
 }
 
+// Frees the blocks pooled for longer than the idle limit.
+void ReleaseIdleBlocks(OutputPool& pool) {
+  const int64_t now = NowNs();
+  const int64_t limit = pool.idle_limit_ns.load(std::memory_order_relaxed);
+  const int64_t oldest = pool.oldest_freed_ns.load(std::memory_order_relaxed);
+  if (oldest == kNever || now - oldest < limit) return;
+  std::vector<void*> stale;
+  {
+    absl::MutexLock lock(&pool.mu);
+    int64_t still_oldest = kNever;
+    for (auto it = pool.free_blocks.begin(); it != pool.free_blocks.end();) {
+      if (now - it->second.freed_ns >= limit) {
+        stale.push_back(it->second.p);
+        pool.free_bytes -= it->first;
+        it = pool.free_blocks.erase(it);
+      } else {
+        still_oldest = std::min(still_oldest, it->second.freed_ns);
+        ++it;
+      }
+    }
+    pool.oldest_freed_ns.store(still_oldest, std::memory_order_relaxed);
+  }
+  for (void* p : stale) std::free(p);
+}
+
 }  // namespace
 
 void* AllocateOutputMemory(size_t bytes) {
+  OutputPool& pool = Pool();
+  ReleaseIdleBlocks(pool);
   if (bytes >= kPooledMin) {
-    OutputPool& pool = Pool();
     absl::MutexLock lock(&pool.mu);
     // The smallest free block that fits, if it wastes at most half of itself.
     auto it = pool.free_blocks.lower_bound(bytes);
     if (it != pool.free_blocks.end() && it->first <= 2 * bytes) {
-      void* p = it->second;  // its header still holds its real size
+      // Of that size, the block freed last: the others can then go unused
+      // long enough to be freed, rather than all taking turns for good.
+      it = std::prev(pool.free_blocks.upper_bound(it->first));
+      void* p = it->second.p;  // its header still holds its real size
       pool.free_bytes -= it->first;
       pool.free_blocks.erase(it);
       return static_cast<char*>(p) + 64;
@@ -98,8 +148,12 @@ void FreeOutputMemory(void* user, size_t /*bytes*/) {
     OutputPool& pool = Pool();
     absl::MutexLock lock(&pool.mu);
     if (pool.free_bytes + size <= kPoolCap) {
-      pool.free_blocks.emplace(size, p);
+      const int64_t now = NowNs();
+      pool.free_blocks.emplace(size, OutputPool::Block{p, now});
       pool.free_bytes += size;
+      if (now < pool.oldest_freed_ns.load(std::memory_order_relaxed)) {
+        pool.oldest_freed_ns.store(now, std::memory_order_relaxed);
+      }
       return;
     }
   }
@@ -110,6 +164,11 @@ size_t PooledOutputBytes() {
   OutputPool& pool = Pool();
   absl::MutexLock lock(&pool.mu);
   return pool.free_bytes;
+}
+
+std::chrono::nanoseconds SetOutputPoolIdleLimit(std::chrono::nanoseconds limit) {
+  return std::chrono::nanoseconds(
+      Pool().idle_limit_ns.exchange(limit.count(), std::memory_order_relaxed));
 }
 
 namespace internal {

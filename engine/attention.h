@@ -5,6 +5,7 @@
 // Field names in error messages are the wire's (`query`, `mask.valid_lens`,
 // `score.w_q`, ...), so a server can pass engine errors straight through.
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -40,12 +41,17 @@ struct TensorView {
 // Memory for engine outputs. Blocks of 1 MiB and more are kept, up to
 // 512 MiB in all, when freed and handed out again to later calls of a similar
 // size: a fresh 128 MiB block costs about 75 ms of page faults to touch, a
-// reused one none. Thread-safe.
+// reused one none. A block unused for 10 s (SetOutputPoolIdleLimit) is freed
+// at the next allocation of any size, so a burst of large calls does not hold
+// memory for good (a server with no calls at all keeps its pool). Thread-safe.
 void* AllocateOutputMemory(size_t bytes);
 void FreeOutputMemory(void* p, size_t bytes);
 // Bytes of freed blocks the pool keeps for reuse now (this process's RSS
-// includes them, and a burst of large calls raises them for good).
+// includes them).
 size_t PooledOutputBytes();
+// How long a pooled block may go unused before it is freed; returns the
+// previous limit. For tests.
+std::chrono::nanoseconds SetOutputPoolIdleLimit(std::chrono::nanoseconds limit);
 
 // An allocator that leaves new elements of trivial types uninitialised: the
 // engine writes every element of its outputs, from several threads, so

@@ -218,7 +218,8 @@ std::string Metrics::RenderPrometheus() const {
                &out);
 
   AppendHeader("attention_engine_pooled_bytes", "gauge",
-               "Freed engine output blocks (1 MiB and more) kept for reuse, up to 512 MiB.", &out);
+               "Freed engine output blocks (1 MiB and more) kept for reuse, up to 512 MiB; freed "
+               "after 10 s unused.", &out);
   AppendSample("attention_engine_pooled_bytes", "", absl::StrCat(PooledOutputBytes()), &out);
 
   AppendHeader("attention_not_computed_total", "counter",

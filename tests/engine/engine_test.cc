@@ -1,13 +1,16 @@
 #include "engine/engine.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/types/span.h"
+#include "engine/attention.h"
 #include "engine/half.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -356,6 +359,42 @@ TEST(EngineNanTest, ANanInAQueryMakesItsRowNanAndNoOther) {
       }
     }
   }
+}
+
+// The output pool keeps a freed large block for reuse, and frees it at an
+// allocation (of any size) once it has gone unused for the idle limit.
+TEST(OutputPoolTest, ABlockUnusedForTheIdleLimitIsFreedAtTheNextAllocation) {
+  using std::chrono::hours;
+  using std::chrono::milliseconds;
+  const auto previous = SetOutputPoolIdleLimit(hours(1));
+  constexpr size_t kBytes = (size_t{5} << 20) + 777;
+  void* block = AllocateOutputMemory(kBytes);
+  const size_t before = PooledOutputBytes();
+  FreeOutputMemory(block, kBytes);
+  EXPECT_GE(PooledOutputBytes(), before + kBytes);
+  FreeOutputMemory(AllocateOutputMemory(64), 64);
+  EXPECT_GE(PooledOutputBytes(), before + kBytes) << "freed before its limit";
+
+  SetOutputPoolIdleLimit(milliseconds(1));
+  std::this_thread::sleep_for(milliseconds(5));
+  EXPECT_GE(PooledOutputBytes(), before + kBytes) << "nothing frees it until an allocation";
+  FreeOutputMemory(AllocateOutputMemory(64), 64);
+  EXPECT_EQ(PooledOutputBytes(), 0u);  // every pooled block is older than 1 ms
+  SetOutputPoolIdleLimit(previous);
+}
+
+// Of several pooled blocks of one size, an allocation takes the one freed
+// last, so that the others can reach the idle limit under a steady trickle of
+// calls rather than all taking turns.
+TEST(OutputPoolTest, AnAllocationTakesTheBlockOfItsSizeFreedLast) {
+  constexpr size_t kBytes = (size_t{3} << 20) + 555;
+  void* first = AllocateOutputMemory(kBytes);
+  void* second = AllocateOutputMemory(kBytes);
+  FreeOutputMemory(first, kBytes);
+  FreeOutputMemory(second, kBytes);
+  void* again = AllocateOutputMemory(kBytes);
+  EXPECT_EQ(again, second);
+  FreeOutputMemory(again, kBytes);
 }
 
 }  // namespace
