@@ -170,12 +170,12 @@ floor=$(( seconds / 2 < 30 ? seconds / 2 : 30 ))
 (( warmup < floor )) && warmup=$floor
 (( warmup > 120 )) && warmup=120
 rss() { awk '$1 == "VmRSS:" { print $2 }' "/proc/$SERVER_PID/status"; }
-# The engine's output pool (freed blocks of 1 MiB and more, kept for reuse),
-# in KiB: part of the RSS, and raised for good by a burst of large calls.
+# The engine's output pool (freed blocks of 1 MiB and more, kept for reuse
+# until unused for 10 s), in KiB: part of the RSS.
 metrics_port=$(server_metrics_port)
 pooled() { echo $(( $(metric "$metrics_port" attention_engine_pooled_bytes) / 1024 )); }
 fds() { find "/proc/$SERVER_PID/fd" -mindepth 1 -maxdepth 1 | wc -l; }
-rss_warm="" fds_warm="" fds_max=0 rss_end=0 samples=0 pooled_warm=0 pooled_end=0
+rss_warm="" fds_warm="" fds_max=0 rss_end=0 samples=0 pooled_warm=0
 start=$SECONDS
 # Bounded: the runs end after `seconds`, plus their drain (10 s timeouts).
 while (( SECONDS - start < seconds + 60 )); do
@@ -192,11 +192,11 @@ while (( SECONDS - start < seconds + 60 )); do
   if [[ -n $rss_warm ]]; then
     (( now_fds > fds_max )) && fds_max=$now_fds
     rss_end=$now_rss
-    pooled_end=$(pooled)
   fi
   sleep 2
 done
 [[ -n $rss_warm ]] || server_fail "soak: no sample after the ${warmup} s warm-up"
+pooled_end=$(pooled)
 
 # --- report ---------------------------------------------------------------------
 failures=()
