@@ -37,7 +37,7 @@ FROM ${BASE_IMAGE}
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
          libgrpc++1.51 libprotobuf32 libabsl20220623 libdnnl2 libgomp1 libspdlog1.10 \
-         libcpp-httplib0.11 libssl3 \
+         libcpp-httplib0.11 libssl3 libnghttp2-14 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent \
          --shell /usr/sbin/nologin attention

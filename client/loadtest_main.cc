@@ -30,7 +30,12 @@ ABSL_FLAG(std::vector<std::string>, target, std::vector<std::string>({"127.0.0.1
           "HOST:PORT, dns:///NAME:PORT or any gRPC target; repeat the flag for several, which "
           "calls go to round-robin");
 ABSL_FLAG(int, connections, 1, "Channels, each its own TCP connection, to each target");
-ABSL_FLAG(int, threads, 1, "Threads polling for answers");
+ABSL_FLAG(int, threads, 1, "Threads polling for answers (--transport grpc)");
+ABSL_FLAG(std::string, transport, "auto",
+          "h2: gRPC's wire protocol over HTTP/2 by nghttp2 on one thread, a third to three "
+          "fifths of grpc's CPU per call; plaintext unary calls to HOST:PORT targets, no "
+          "retries. grpc: gRPC's C++ client (streams, TLS, dns:/// and other gRPC targets, "
+          "--max_attempts). auto: h2 when it can carry the run, else grpc");
 ABSL_FLAG(int64_t, concurrency, 0,
           "Closed loop: calls in flight, each sent when the previous one returns (default 1 "
           "when neither --rate nor --schedule is given)");
@@ -170,6 +175,7 @@ attention::loadtest::LoadtestConfig ConfigFromFlags() {
   config.targets = absl::GetFlag(FLAGS_target);
   config.connections = absl::GetFlag(FLAGS_connections);
   config.threads = absl::GetFlag(FLAGS_threads);
+  config.transport = absl::GetFlag(FLAGS_transport);
   config.concurrency = absl::GetFlag(FLAGS_concurrency);
   config.rate = absl::GetFlag(FLAGS_rate);
   config.arrival = absl::GetFlag(FLAGS_arrival);

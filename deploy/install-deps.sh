@@ -12,6 +12,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libdnnl-dev ocl-icd-opencl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libssl-dev openssl jq
+  libnghttp2-dev
 )
 # --fuzz (deploy/fuzz.sh): Clang with libFuzzer and its sanitizer runtimes,
 # llvm-symbolizer for readable reports, and libomp-14-dev for Clang's omp.h

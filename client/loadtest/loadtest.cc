@@ -14,9 +14,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/loadtest/report.h"
@@ -193,6 +195,11 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
   ATTN_ASSIGN_OR_RETURN(Schedule schedule, MakeSchedule(config));
   ATTN_ASSIGN_OR_RETURN(const Arrival arrival, ParseArrival(config.arrival));
+  const std::string transport = ResolveTransport(config);
+  if (transport != "grpc" && transport != "h2") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--transport: \"", config.transport, "\" is not one of auto, grpc and h2"));
+  }
   const bool open_loop = schedule.kind() == LoadKind::kRate;
   if (!open_loop && (arrival != Arrival::kConstant || config.max_in_flight > 0)) {
     return absl::InvalidArgumentError(
@@ -243,6 +250,7 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   options.max_requests = config.requests;
   options.stream = config.stream;
   options.threads = config.threads;
+  options.transport = transport == "h2" ? Transport::kH2 : Transport::kGrpc;
   options.seed = config.shape.seed;
   options.progress_interval = config.progress_interval;
 
@@ -251,6 +259,7 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   run.connections = config.connections;
   run.threads = config.threads;
   run.stream = config.stream;
+  run.transport = transport;
   run.open_loop = open_loop;
   run.schedule = schedule.ToString();
   if (open_loop) {
@@ -265,6 +274,26 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
 }
 
 }  // namespace
+
+std::string ResolveTransport(const LoadtestConfig& config) {
+  if (config.transport != "auto") return config.transport;
+  const client::ClientOptions& c = config.client;
+  if (config.stream || !c.tls_ca_file.empty() || !c.tls_cert_file.empty() ||
+      !c.tls_key_file.empty() || !c.tls_server_name_override.empty()) {
+    return "grpc";
+  }
+  for (const std::string& target : config.targets) {
+    // HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 one; not a
+    // gRPC URI (dns:///, ipv4:, unix:, ...).
+    const size_t colon = target.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == target.size()) return "grpc";
+    const absl::string_view host = absl::string_view(target).substr(0, colon);
+    const bool bracketed = host.front() == '[' && host.back() == ']';
+    if (!bracketed && absl::StrContains(host, ':')) return "grpc";
+    if (absl::StrContains(target, '/')) return "grpc";
+  }
+  return "h2";
+}
 
 int RunLoadtest(const LoadtestConfig& config, std::ostream& out, std::ostream& err,
                 const std::atomic<bool>* interrupted) {

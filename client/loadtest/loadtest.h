@@ -22,6 +22,9 @@ struct LoadtestConfig {
   std::vector<std::string> targets = {"127.0.0.1:50051"};
   int connections = 1;
   int threads = 1;
+  // "grpc", "h2" (RunOptions::transport), or "auto": h2 when it can carry
+  // the run (ResolveTransport), else grpc.
+  std::string transport = "auto";
 
   // The load: at most one of concurrency (closed loop), rate (open loop) and
   // schedule; none means concurrency 1.
@@ -60,6 +63,11 @@ struct LoadtestConfig {
   // Token, TLS and message size; its target and timeout are not used.
   client::ClientOptions client;
 };
+
+// The transport "auto" stands for: h2 for unary calls in plaintext to
+// targets that are all HOST:PORT, else grpc. Other values are returned as
+// they are.
+std::string ResolveTransport(const LoadtestConfig& config);
 
 // Runs the load test `config` describes: prints the summary on `out`, writes
 // the files asked for, and returns kExitOk, kExitThreshold (a threshold

@@ -71,10 +71,12 @@ std::string DescribeRun(const RunDescription& run) {
     }
   }
   if (run.warmup_s > 0) absl::StrAppend(&text, absl::StrFormat(", %gs warm-up", run.warmup_s));
-  absl::StrAppend(&text, run.stream ? ", AttendStream\n" : ", unary Attend\n");
+  absl::StrAppend(&text, run.stream ? ", AttendStream" : ", unary Attend",
+                  run.transport == "h2" ? " over nghttp2\n" : "\n");
   absl::StrAppend(&text, "  ", absl::StrJoin(run.targets, " "), " x ",
                   Plural(run.connections, "connection", "connections"), ", ",
-                  Plural(run.threads, "thread", "threads"), "; ", run.workload, "\n");
+                  Plural(run.transport == "h2" ? 1 : run.threads, "thread", "threads"), "; ",
+                  run.workload, "\n");
   return text;
 }
 
@@ -177,13 +179,10 @@ std::string FormatJson(const Report& report) {
   if (report.run.has_value()) {
     const RunDescription& run = *report.run;
     json["run"] = {
-        {"targets", run.targets},
-        {"connections", run.connections},
-        {"threads", run.threads},
-        {"api", run.stream ? "stream" : "unary"},
-        {"loop", run.open_loop ? "open" : "closed"},
-        {"schedule", run.schedule},
-        {"warmup_s", run.warmup_s},
+        {"targets", run.targets},     {"connections", run.connections},
+        {"threads", run.threads},     {"api", run.stream ? "stream" : "unary"},
+        {"transport", run.transport}, {"loop", run.open_loop ? "open" : "closed"},
+        {"schedule", run.schedule},   {"warmup_s", run.warmup_s},
         {"workload", run.workload},
     };
     if (run.open_loop) {

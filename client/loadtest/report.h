@@ -21,6 +21,7 @@ struct RunDescription {
   int connections = 1;
   int threads = 1;
   bool stream = false;
+  std::string transport = "grpc";
   bool open_loop = false;
   std::string schedule;   // the measured schedule, as Schedule::ToString
   std::string arrival;    // open loops: "constant" or "poisson"

@@ -33,6 +33,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/loadtest/h2_transport.h"
 #include "client/loadtest/wire.h"
 #include "engine/status_macros.h"
 #include "grpcpp/channel.h"
@@ -150,7 +151,13 @@ class Worker {
   // Once nothing can start on the queue any more.
   void Stop() {
     cq_.Shutdown();
-    thread_.join();
+    if (thread_.joinable()) {
+      thread_.join();
+    } else {
+      void* tag;
+      bool ok;
+      while (cq_.Next(&tag, &ok)) FromTag(tag)->Proceed(ok);
+    }
   }
 
   // A pooled call with a fresh context.
@@ -269,6 +276,9 @@ class Runner {
   Runner(const RunOptions& options, std::vector<Channel> channels,
          const v1::AttendRequest& request);
 
+  // --transport h2: connects the transport that then carries every call.
+  absl::Status ConnectH2(const std::vector<std::string>& addresses);
+
   RunResult Run();
 
   int64_t NowNs() const { return (Clock::now() - start_).count(); }
@@ -277,6 +287,8 @@ class Runner {
   // Reads an answer into `answer` and fills the code, error and verify
   // result of `outcome`; `problem` holds the text `outcome->error` may point to.
   void Inspect(grpc::ByteBuffer* buffer, AnswerFields* answer, std::string* problem,
+               Outcome* outcome) const;
+  void Inspect(absl::string_view bytes, AnswerFields* answer, std::string* problem,
                Outcome* outcome) const;
   // A stream message ended, answered or not; `answer` only when it was.
   void FinishMessage(Worker& worker, const PendingMessage& message, int64_t done_ns,
@@ -299,6 +311,10 @@ class Runner {
   // down target would fail at once, and gRPC's retries stay on their channel.
   size_t PickChannel(uint64_t n);
   void StartUnary(Worker& worker, Channel& channel, int64_t intended_ns, bool measured);
+  void OnH2Done(const H2CallInfo& info, const H2Answer& answer);
+  // What Inspect does after the parse (`parsed`: it succeeded).
+  void Judge(bool parsed, const v1::AttendResponse* response, AnswerFields* answer,
+             std::string* problem, Outcome* outcome) const;
   void SendOnStream(StreamSlot& slot, int64_t intended_ns, bool measured);
   // Every call's end: counters, then the next call of a closed loop or a free
   // place for an open loop's.
@@ -310,8 +326,13 @@ class Runner {
   bool TakeTicket(int64_t now_ns);
   void MarkStopping(int64_t now_ns);
   void ControlConcurrency(int64_t now_ns);
-  // Open loop: the pacing thread.
+  // Open loop: the pacing thread, or with the h2 transport its thread.
   void SendOnSchedule();
+  // Sends the calls due by `now` (NowNs). False once sending is over (the
+  // schedule's end, max_requests, or stopping); else `next_ns` is when the
+  // next call is due, or -1 when it waits for a place under max_in_flight
+  // (may_block: waits for one here instead).
+  bool PaceStep(int64_t now, bool may_block, int64_t* next_ns);
   bool SleepUntil(int64_t t_ns) const;
   bool SendingDone() const;
 
@@ -358,9 +379,16 @@ class Runner {
   // schedule's sending window ended.
   std::atomic<bool> sending_done_{false};
   std::atomic<int64_t> window_end_ns_{0};
+  // PaceStep's, on one thread at a time.
+  struct {
+    std::optional<SendTimes> times;
+    int64_t next_intended = -1;  // due and not yet sent; -1: take the next
+    int64_t measured = 0;
+  } pace_;
 
   absl::Mutex conns_mu_;
   absl::flat_hash_set<StreamConn*> conns_ ABSL_GUARDED_BY(conns_mu_);
+  std::string unary_request_;  // the serialized request, for the h2 transport
 
   // The controller's: progress and timeline.
   Histogram cumulative_;
@@ -369,6 +397,9 @@ class Runner {
   int64_t last_tick_sent_ = 0;
   int64_t last_tick_completed_ = 0;
   int64_t last_tick_errors_ = 0;
+
+  // Last: its thread reports to the members above, so it goes first.
+  std::unique_ptr<H2Transport> h2_;
 };
 
 void UnaryCall::Proceed(bool /*ok: always true for Finish*/) { runner->OnUnaryDone(this); }
@@ -625,6 +656,7 @@ Runner::Runner(const RunOptions& options, std::vector<Channel> channels,
     authorization_ = absl::StrCat("Bearer ", options.client.bearer_token);
   }
   const std::string whole = request.SerializeAsString();
+  if (options.transport == Transport::kH2) unary_request_ = whole;
   grpc::Slice whole_slice(whole);
   request_buffer_ = grpc::ByteBuffer(&whole_slice, 1);
   v1::AttendRequest body = request;
@@ -669,7 +701,12 @@ void Runner::Start(int64_t intended_ns, bool measured) {
   if (measured) measured_sent_.fetch_add(1, std::memory_order_relaxed);
   const uint64_t n = next_call_.fetch_add(1, std::memory_order_relaxed);
   const size_t channel = PickChannel(n);
-  if (options_.stream) {
+  if (h2_ != nullptr) {
+    H2CallInfo info{intended_ns, NowNs(), measured};
+    if (intended_ns < 0) info.intended_ns = info.sent_ns;
+    if (measured) AtomicMax(last_sent_ns_, info.sent_ns);
+    h2_->Send(channel, info);
+  } else if (options_.stream) {
     SendOnStream(*slots_[channel], intended_ns, measured);
   } else {
     StartUnary(*workers_[n % workers_.size()], channels_[channel], intended_ns, measured);
@@ -677,9 +714,10 @@ void Runner::Start(int64_t intended_ns, bool measured) {
 }
 
 size_t Runner::PickChannel(uint64_t n) {
-  const size_t size = channels_.size();
+  const size_t size = h2_ != nullptr ? h2_->size() : channels_.size();
   const size_t first = n % size;
   auto down = [this](size_t i) {
+    if (h2_ != nullptr) return h2_->Down(i);
     return channels_[i].channel->GetState(/*try_to_connect=*/false) ==
            GRPC_CHANNEL_TRANSIENT_FAILURE;
   };
@@ -727,27 +765,41 @@ void Runner::SendOnStream(StreamSlot& slot, int64_t intended_ns, bool measured) 
 
 void Runner::Inspect(grpc::ByteBuffer* buffer, AnswerFields* answer, std::string* problem,
                      Outcome* outcome) const {
-  bool parsed;
   if (options_.verifier == nullptr) {
-    parsed = ReadAnswerFields(buffer, answer);
-  } else {
-    v1::AttendResponse response;
-    grpc::ProtoBufferReader reader(buffer);
-    parsed = response.ParseFromZeroCopyStream(&reader);
-    if (parsed) {
-      answer->id = response.id();
-      answer->code = response.status().code();
-      answer->message = response.status().message();
-      answer->queue_us = response.queue_us();
-      answer->compute_us = response.compute_us();
-      answer->batch_size = response.batch_size();
-      if (answer->code == 0) {
-        const absl::Status verified = options_.verifier->Check(response);
-        if (!verified.ok()) {
-          outcome->verify_failed = true;
-          *problem = std::string(verified.message());
-          outcome->error = *problem;
-        }
+    Judge(ReadAnswerFields(buffer, answer), nullptr, answer, problem, outcome);
+    return;
+  }
+  v1::AttendResponse response;
+  grpc::ProtoBufferReader reader(buffer);
+  Judge(response.ParseFromZeroCopyStream(&reader), &response, answer, problem, outcome);
+}
+
+void Runner::Inspect(absl::string_view bytes, AnswerFields* answer, std::string* problem,
+                     Outcome* outcome) const {
+  if (options_.verifier == nullptr) {
+    Judge(ReadAnswerFields(bytes, answer), nullptr, answer, problem, outcome);
+    return;
+  }
+  v1::AttendResponse response;
+  Judge(response.ParseFromArray(bytes.data(), static_cast<int>(bytes.size())), &response, answer,
+        problem, outcome);
+}
+
+void Runner::Judge(bool parsed, const v1::AttendResponse* response, AnswerFields* answer,
+                   std::string* problem, Outcome* outcome) const {
+  if (parsed && response != nullptr) {
+    answer->id = response->id();
+    answer->code = response->status().code();
+    answer->message = response->status().message();
+    answer->queue_us = response->queue_us();
+    answer->compute_us = response->compute_us();
+    answer->batch_size = response->batch_size();
+    if (answer->code == 0) {
+      const absl::Status verified = options_.verifier->Check(*response);
+      if (!verified.ok()) {
+        outcome->verify_failed = true;
+        *problem = std::string(verified.message());
+        outcome->error = *problem;
       }
     }
   }
@@ -779,6 +831,43 @@ void Runner::OnUnaryDone(UnaryCall* call) {
   }
   call->worker->ReleaseCall(call, outcome);
   Finished(outcome);
+}
+
+void Runner::OnH2Done(const H2CallInfo& info, const H2Answer& h2) {
+  Outcome outcome;
+  outcome.done_ns = NowNs();
+  outcome.intended_ns = info.intended_ns;
+  outcome.sent_ns = info.sent_ns;
+  outcome.measured = info.measured;
+  AnswerFields answer;
+  std::string problem;
+  if (h2.code == grpc::StatusCode::OK) {
+    Inspect(h2.response, &answer, &problem, &outcome);
+  } else {
+    outcome.code = h2.code;
+    outcome.error = h2.message;
+  }
+  workers_.front()->Record(outcome);
+  Finished(outcome);
+}
+
+absl::Status Runner::ConnectH2(const std::vector<std::string>& addresses) {
+  H2Options h2;
+  h2.targets = addresses;
+  h2.path = attend_method_;
+  h2.request = unary_request_;
+  h2.authorization = authorization_;
+  h2.timeout = options_.client.timeout;
+  h2.max_message_bytes = options_.client.max_message_mb << 20;
+  h2.connect_timeout = options_.connect_timeout;
+  h2.reconnect_backoff_initial = options_.client.reconnect_backoff_initial;
+  h2.reconnect_backoff_max = options_.client.reconnect_backoff_max;
+  h2.attempt_timeout = options_.client.reconnect_backoff_min;
+  ATTN_ASSIGN_OR_RETURN(
+      h2_, H2Transport::Connect(h2, [this](const H2CallInfo& info, const H2Answer& answer) {
+        OnH2Done(info, answer);
+      }));
+  return absl::OkStatus();
 }
 
 void Runner::FinishMessage(Worker& worker, const PendingMessage& message, int64_t done_ns,
@@ -860,36 +949,54 @@ void Runner::SendOnSchedule() {
   // The kernel may otherwise wake a sleeping thread up to 50 us late.
   prctl(PR_SET_TIMERSLACK, 1000UL);
 #endif
-  SendTimes times(schedule_, options_.arrival, options_.seed);
-  int64_t measured = 0;
-  int64_t window_end = end_ns_;
-  for (;;) {
-    const int64_t intended = times.Next();
-    if (intended < 0 || intended >= end_ns_) break;
-    const bool in_measurement = intended >= measure_start_ns_;
-    if (in_measurement && options_.max_requests > 0 && measured == options_.max_requests) {
-      window_end = intended;
+  int64_t next;
+  while (PaceStep(NowNs(), /*may_block=*/true, &next)) {
+    if (!SleepUntil(next)) {
+      PaceStep(NowNs(), /*may_block=*/true, &next);  // sees stopping_ and ends the window
       break;
     }
-    if (!SleepUntil(intended)) {
-      window_end = NowNs();
-      break;
+  }
+}
+
+bool Runner::PaceStep(int64_t now, bool may_block, int64_t* next_ns) {
+  auto finish = [this](int64_t window_end) {
+    window_end_ns_.store(window_end == kNever ? NowNs() : window_end);
+    sending_done_.store(true);
+    return false;
+  };
+  if (sending_done_.load(std::memory_order_relaxed)) return false;
+  for (;;) {
+    if (pace_.next_intended < 0) {
+      const int64_t intended = pace_.times->Next();
+      if (intended < 0 || intended >= end_ns_) return finish(end_ns_);
+      if (intended >= measure_start_ns_ && options_.max_requests > 0 &&
+          pace_.measured == options_.max_requests) {
+        return finish(intended);
+      }
+      pace_.next_intended = intended;
+    }
+    if (stopping_.load(std::memory_order_relaxed)) return finish(now);
+    if (pace_.next_intended > now) {
+      *next_ns = pace_.next_intended;
+      return true;
     }
     if (in_flight_cap_ != nullptr) {
-      bool acquired = false;
-      while (!acquired && !stopping_.load(std::memory_order_relaxed)) {
+      bool acquired = in_flight_cap_->try_acquire();
+      while (may_block && !acquired && !stopping_.load(std::memory_order_relaxed)) {
         acquired = in_flight_cap_->try_acquire_for(std::chrono::nanoseconds(kMaxSleepNs));
       }
       if (!acquired) {
-        window_end = NowNs();
-        break;
+        if (may_block) return finish(NowNs());  // stopping
+        *next_ns = -1;                          // the next call that ends frees a place
+        return true;
       }
     }
-    Start(intended, in_measurement);
-    if (in_measurement) ++measured;
+    const bool in_measurement = pace_.next_intended >= measure_start_ns_;
+    Start(pace_.next_intended, in_measurement);
+    if (in_measurement) ++pace_.measured;
+    pace_.next_intended = -1;
+    now = NowNs();
   }
-  window_end_ns_.store(window_end == kNever ? NowNs() : window_end);
-  sending_done_.store(true);
 }
 
 bool Runner::SendingDone() const {
@@ -960,6 +1067,7 @@ void Runner::Tick(int64_t now_ns) {
 }
 
 void Runner::CancelAll() {
+  if (h2_ != nullptr) h2_->CancelAll();
   for (const std::unique_ptr<Worker>& worker : workers_) worker->CancelCalls();
   absl::MutexLock lock(&conns_mu_);
   for (StreamConn* conn : conns_) conn->Cancel();
@@ -990,9 +1098,25 @@ RunResult Runner::Run() {
   rusage usage_before;
   getrusage(RUSAGE_SELF, &usage_before);
   start_ = Clock::now();
-  for (const std::unique_ptr<Worker>& worker : workers_) worker->Start();
+  if (h2_ == nullptr) {
+    for (const std::unique_ptr<Worker>& worker : workers_) worker->Start();
+  }
   std::thread pacer;
-  if (open_loop_) pacer = std::thread([this] { SendOnSchedule(); });
+  if (open_loop_) {
+    pace_.times.emplace(schedule_, options_.arrival, options_.seed);
+    if (h2_ != nullptr) {
+      // The transport's thread keeps the schedule: no hand-off per call.
+      const int64_t base =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(start_.time_since_epoch()).count();
+      h2_->SetPacer([this, base](int64_t steady_now) -> int64_t {
+        int64_t next;
+        if (!PaceStep(steady_now - base, /*may_block=*/false, &next) || next < 0) return -1;
+        return next + base;
+      });
+    } else {
+      pacer = std::thread([this] { SendOnSchedule(); });
+    }
+  }
 
   const int64_t progress_ns =
       std::max(absl::ToInt64Nanoseconds(options_.progress_interval), kMinProgressNs);
@@ -1038,6 +1162,7 @@ RunResult Runner::Run() {
   const int64_t end = NowNs();
   if (end > last_tick_ns_) Tick(end);
   CloseStreams();
+  if (h2_ != nullptr) h2_->Stop();
   for (const std::unique_ptr<Worker>& worker : workers_) worker->Stop();
   rusage usage_after;
   getrusage(RUSAGE_SELF, &usage_after);
@@ -1081,6 +1206,16 @@ absl::Status CheckOptions(const RunOptions& options) {
   if (options.schedule.length() == absl::InfiniteDuration() && options.max_requests == 0) {
     return absl::InvalidArgumentError("an unbounded schedule needs max_requests");
   }
+  if (options.transport == Transport::kH2) {
+    if (options.stream) {
+      return absl::InvalidArgumentError("--transport h2 sends unary calls; --stream needs grpc");
+    }
+    const client::ClientOptions& c = options.client;
+    if (!c.tls_ca_file.empty() || !c.tls_cert_file.empty() || !c.tls_key_file.empty() ||
+        !c.tls_server_name_override.empty()) {
+      return absl::InvalidArgumentError("--transport h2 is plaintext only; TLS needs grpc");
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -1088,6 +1223,16 @@ absl::Status CheckOptions(const RunOptions& options) {
 
 absl::StatusOr<RunResult> RunLoad(const RunOptions& options, const v1::AttendRequest& request) {
   ATTN_RETURN_IF_ERROR(CheckOptions(options));
+  if (options.transport == Transport::kH2) {
+    // Connection-major order, as below.
+    std::vector<std::string> addresses;
+    for (int c = 0; c < options.connections; ++c) {
+      addresses.insert(addresses.end(), options.targets.begin(), options.targets.end());
+    }
+    Runner runner(options, {}, request);
+    ATTN_RETURN_IF_ERROR(runner.ConnectH2(addresses));
+    return runner.Run();
+  }
   // Connection-major order: consecutive calls go to consecutive targets.
   std::vector<Channel> channels;
   for (int c = 0; c < options.connections; ++c) {

@@ -49,7 +49,13 @@ struct TimelinePoint {
   int64_t max_ns = 0;
 };
 
+// How calls travel: gRPC's C++ client, or HTTP/2 through nghttp2
+// (h2_transport.h: plaintext unary calls to HOST:PORT targets, about a third
+// of the CPU per call).
+enum class Transport { kGrpc, kH2 };
+
 struct RunOptions {
+  Transport transport = Transport::kGrpc;
   // gRPC targets ("HOST:PORT", "dns:///NAME:PORT"); calls go round-robin over
   // them, and over `connections` channels (TCP connections) to each.
   std::vector<std::string> targets;
@@ -71,7 +77,7 @@ struct RunOptions {
   int64_t max_requests = 0;
   // AttendStream: one stream per channel, each call a message on it.
   bool stream = false;
-  // Threads polling completion queues.
+  // Threads polling completion queues (kGrpc; kH2 runs one thread).
   int threads = 1;
   // Seeds Poisson arrivals.
   uint64_t seed = 1;

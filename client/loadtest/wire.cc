@@ -70,11 +70,7 @@ bool ReadStatus(CodedInputStream& in, AnswerFields* fields) {
   return whole;
 }
 
-}  // namespace
-
-bool ReadAnswerFields(grpc::ByteBuffer* buffer, AnswerFields* fields) {
-  grpc::ProtoBufferReader reader(buffer);
-  CodedInputStream in(&reader);
+bool ReadFields(CodedInputStream& in, AnswerFields* fields) {
   while (const uint32_t tag = in.ReadTag()) {
     bool ok;
     switch (tag) {
@@ -99,6 +95,20 @@ bool ReadAnswerFields(grpc::ByteBuffer* buffer, AnswerFields* fields) {
     if (!ok) return false;
   }
   return in.ConsumedEntireMessage();
+}
+
+}  // namespace
+
+bool ReadAnswerFields(grpc::ByteBuffer* buffer, AnswerFields* fields) {
+  grpc::ProtoBufferReader reader(buffer);
+  CodedInputStream in(&reader);
+  return ReadFields(in, fields);
+}
+
+bool ReadAnswerFields(absl::string_view bytes, AnswerFields* fields) {
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
+                      static_cast<int>(bytes.size()));
+  return ReadFields(in, fields);
 }
 
 grpc::ByteBuffer MessageWithId(uint64_t id, const grpc::Slice& body) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/strings/string_view.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
 
@@ -28,6 +29,7 @@ struct AnswerFields {
 // a second a full parse would copy every output. False when the bytes are not
 // a well-formed message.
 bool ReadAnswerFields(grpc::ByteBuffer* buffer, AnswerFields* fields);
+bool ReadAnswerFields(absl::string_view bytes, AnswerFields* fields);
 
 // A serialized AttendRequest with id `id` (its decimal digits): the id field,
 // then `body`, a serialized AttendRequest without an id, which is shared, not

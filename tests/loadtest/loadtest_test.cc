@@ -166,6 +166,59 @@ TEST_F(LoadtestServerTest, AnswersAreComparedWithAnExpectedResponse) {
   EXPECT_THAT(outcome.out, HasSubstr("output: element 3 is"));
 }
 
+// The same calls over nghttp2: the real server's answers read and verified
+// as the gRPC client's are.
+TEST_F(LoadtestServerTest, DemoModelOverH2PassesVerify) {
+  LoadtestConfig config = Config();
+  config.shape.model = "demo";
+  config.verify = true;
+  config.transport = "h2";
+  config.timeout = absl::Seconds(5);
+  config.json_file = MakeTempDir("demo_h2") + "/out.json";
+  const Outcome outcome = RunConfig(config);
+  ASSERT_EQ(outcome.exit_code, kExitOk) << outcome.err << outcome.out;
+  const nlohmann::json json = ReadJson(config.json_file);
+  EXPECT_EQ(json["requests"], 200);
+  EXPECT_TRUE(json["errors"].empty()) << json["errors"];
+  EXPECT_EQ(json["server_compute_us"]["count"], 200);
+  EXPECT_EQ(json["run"]["transport"], "h2") << json["run"];
+  EXPECT_THAT(outcome.out, HasSubstr("unary Attend over nghttp2"));
+}
+
+// A server that wants a bearer token: h2 sends it as gRPC's client does, and
+// a wrong one counts UNAUTHENTICATED with the server's message.
+TEST(LoadtestAuthTest, H2SendsTheBearerToken) {
+  const std::string dir = MakeTempDir("h2_auth");
+  {
+    std::ofstream token(dir + "/token");
+    token << "s3cret\n";
+  }
+  ServerOptions server_options;
+  server_options.model_repository = ATTENTION_MODELS_DIR;
+  server_options.auth_token_file = dir + "/token";
+  absl::StatusOr<std::unique_ptr<testing::TestServer>> server =
+      testing::TestServer::Start(server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  LoadtestConfig config;
+  config.targets = {(*server)->server().address()};
+  config.transport = "h2";
+  config.concurrency = 2;
+  config.requests = 20;
+  config.shape.model = "demo";
+  config.client.bearer_token = "s3cret";
+  std::ostringstream out, err;
+  ASSERT_EQ(RunLoadtest(config, out, err), kExitOk) << err.str() << out.str();
+  EXPECT_THAT(out.str(), HasSubstr("errors         0 "));
+
+  // Raw attention: with the model, the wrong token would fail GetModel first.
+  config.shape.model.clear();
+  config.client.bearer_token = "wrong";
+  config.thresholds = {"errors<1"};
+  std::ostringstream out2, err2;
+  EXPECT_EQ(RunLoadtest(config, out2, err2), kExitThreshold) << err2.str();
+  EXPECT_THAT(out2.str(), HasSubstr("UNAUTHENTICATED 20"));
+}
+
 TEST_F(LoadtestServerTest, SetupErrorsExitWithOne) {
   LoadtestConfig config = Config();
   config.shape.model = "nope";
@@ -188,6 +241,33 @@ TEST_F(LoadtestServerTest, SetupErrorsExitWithOne) {
   config.schedule = "rate:10@1s";
   config.duration = absl::Seconds(1);
   EXPECT_THAT(RunConfig(config).err, HasSubstr("--duration and --schedule"));
+
+  config = Config();
+  config.transport = "h3";
+  EXPECT_THAT(RunConfig(config).err,
+              HasSubstr("--transport: \"h3\" is not one of auto, grpc and h2"));
+}
+
+TEST(LoadtestTransportTest, AutoTakesH2WhereItCanCarryTheRun) {
+  LoadtestConfig config;
+  for (const char* target : {"127.0.0.1:50051", "localhost:1", "[::1]:50051", "attention:80"}) {
+    config.targets = {target};
+    EXPECT_EQ(ResolveTransport(config), "h2") << target;
+  }
+  for (const char* target : {"dns:///localhost:1", "ipv4:127.0.0.1:1,127.0.0.2:1",
+                             "unix:/tmp/socket", "localhost", "::1:50051", ":50051"}) {
+    config.targets = {"127.0.0.1:1", target};
+    EXPECT_EQ(ResolveTransport(config), "grpc") << target;
+  }
+  config.targets = {"127.0.0.1:1"};
+  config.stream = true;
+  EXPECT_EQ(ResolveTransport(config), "grpc");
+  config.stream = false;
+  config.client.tls_ca_file = "ca.pem";
+  EXPECT_EQ(ResolveTransport(config), "grpc");
+  config.client.tls_ca_file.clear();
+  config.transport = "grpc";
+  EXPECT_EQ(ResolveTransport(config), "grpc");
 }
 
 // --- the binary -------------------------------------------------------------

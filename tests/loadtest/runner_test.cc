@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -43,13 +44,23 @@ RunOptions Options(const std::vector<const FakeAttentionServer*>& servers) {
   return options;
 }
 
+// The tests that hold for both transports run with each.
+class RunnerTransportTest : public ::testing::TestWithParam<Transport> {
+ protected:
+  RunOptions Options(const std::vector<const FakeAttentionServer*>& servers) const {
+    RunOptions options = loadtest::Options(servers);
+    options.transport = GetParam();
+    return options;
+  }
+};
+
 RunResult RunOk(const RunOptions& options, const v1::AttendRequest& request = SmallRequest()) {
   absl::StatusOr<RunResult> result = RunLoad(options, request);
   EXPECT_TRUE(result.ok()) << result.status();
   return result.ok() ? *std::move(result) : RunResult{};
 }
 
-TEST(RunnerTest, OpenLoopHoldsItsRateWithinTwoPercent) {
+TEST_P(RunnerTransportTest, OpenLoopHoldsItsRateWithinTwoPercent) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
   options.schedule = Schedule::Constant(LoadKind::kRate, 1000, absl::Seconds(3));
@@ -65,7 +76,7 @@ TEST(RunnerTest, OpenLoopHoldsItsRateWithinTwoPercent) {
 // sees the stall. An open loop keeps its schedule; with one call in flight
 // allowed, the calls due during the stall go out late, and only the latency
 // from their intended send time shows what their callers would have waited.
-TEST(RunnerTest, AStallShowsInTheCorrectedP99AndNotTheUncorrectedOne) {
+TEST_P(RunnerTransportTest, AStallShowsInTheCorrectedP99AndNotTheUncorrectedOne) {
   FakeAttentionServer server;
   server.StallCall(500, absl::Milliseconds(500));
   RunOptions options = Options({&server});
@@ -81,7 +92,7 @@ TEST(RunnerTest, AStallShowsInTheCorrectedP99AndNotTheUncorrectedOne) {
   EXPECT_GE(stats.send_lateness.max(), 400'000'000);
 }
 
-TEST(RunnerTest, RoundRobinSpreadsCallsEvenlyOverThreeServers) {
+TEST_P(RunnerTransportTest, RoundRobinSpreadsCallsEvenlyOverThreeServers) {
   FakeAttentionServer a, b, c;
   RunOptions options = Options({&a, &b, &c});
   options.schedule = Schedule::Constant(LoadKind::kConcurrency, 4, absl::InfiniteDuration());
@@ -108,7 +119,7 @@ TEST(RunnerTest, ATargetOfSeveralAddressesIsSpreadOverThemAll) {
   EXPECT_GT(b.attend_calls(), 100);
 }
 
-TEST(RunnerTest, ConnectionsAreSeparateTcpConnections) {
+TEST_P(RunnerTransportTest, ConnectionsAreSeparateTcpConnections) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
   options.connections = 3;
@@ -118,7 +129,7 @@ TEST(RunnerTest, ConnectionsAreSeparateTcpConnections) {
   EXPECT_EQ(server.distinct_peers(), 3u);
 }
 
-TEST(RunnerTest, ClosedLoopSendsExactlyTheRequestsAfterTheWarmUp) {
+TEST_P(RunnerTransportTest, ClosedLoopSendsExactlyTheRequestsAfterTheWarmUp) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
   options.schedule = Schedule::Constant(LoadKind::kConcurrency, 8, absl::InfiniteDuration());
@@ -180,7 +191,7 @@ TEST(RunnerTest, ErrorsAreCountedByCode) {
   EXPECT_THAT(streamed.first_error, HasSubstr("INVALID_ARGUMENT: query: dtype INT64"));
 }
 
-TEST(RunnerTest, CallsPastTheirTimeoutAreDeadlineExceeded) {
+TEST_P(RunnerTransportTest, CallsPastTheirTimeoutAreDeadlineExceeded) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
   options.client.timeout = absl::Milliseconds(100);
@@ -191,7 +202,7 @@ TEST(RunnerTest, CallsPastTheirTimeoutAreDeadlineExceeded) {
   EXPECT_GE(stats.latency.min(), 100'000'000);
 }
 
-TEST(RunnerTest, VerifyCountsAnswersOfTheWrongShape) {
+TEST_P(RunnerTransportTest, VerifyCountsAnswersOfTheWrongShape) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
   options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
@@ -208,7 +219,7 @@ TEST(RunnerTest, VerifyCountsAnswersOfTheWrongShape) {
               HasSubstr("VERIFY_FAILED: output: shape [1, 4, 8], want [1, 4, 4]"));
 }
 
-TEST(RunnerTest, ConcurrencyStepsFollowTheSchedule) {
+TEST_P(RunnerTransportTest, ConcurrencyStepsFollowTheSchedule) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
   options.schedule = *Schedule::Parse("concurrency:1@300ms,4@300ms");
@@ -221,13 +232,14 @@ TEST(RunnerTest, ConcurrencyStepsFollowTheSchedule) {
   EXPECT_EQ(result.stats.errors(), 0);
 }
 
-TEST(RunnerTest, AnUnreachableTargetFailsTheRun) {
+TEST_P(RunnerTransportTest, AnUnreachableTargetFailsTheRun) {
   std::string address;
   {
     FakeAttentionServer gone;
     address = gone.address();
   }
   RunOptions options;
+  options.transport = GetParam();
   options.targets = {address};
   options.connect_timeout = absl::Milliseconds(300);
   EXPECT_THAT(RunLoad(options, SmallRequest()),
@@ -243,6 +255,73 @@ TEST(RunnerTest, RejectsOptionsOutOfRange) {
   EXPECT_THAT(RunLoad(options, SmallRequest()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("threads")));
 }
+
+// Unary errors over h2: the status comes in the trailers, or alone (a
+// trailers-only answer); both carry the code and message gRPC would give.
+TEST(RunnerTest, H2CountsErrorsByCodeWithTheServersMessage) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.transport = Transport::kH2;
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
+  options.max_requests = 20;
+  const LoadStats stats = RunOk(options, SmallRequest("fail")).stats;
+  EXPECT_EQ(stats.calls_by_code[3], 20);  // INVALID_ARGUMENT
+  EXPECT_EQ(stats.errors(), 20);
+  EXPECT_EQ(stats.first_error,
+            "INVALID_ARGUMENT: mask.valid_lens: shape [3] does not match batch size 2");
+}
+
+// A server that shuts down says GOAWAY: its calls in flight end, and the
+// next ones go to the server still up; none is lost or left hanging.
+TEST(RunnerTest, H2MovesCallsToTheServerLeftWhenOneGoesAway) {
+  FakeAttentionServer stays;
+  auto goes = std::make_unique<FakeAttentionServer>();
+  RunOptions options = Options({&stays, goes.get()});
+  options.transport = Transport::kH2;
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 4, absl::Milliseconds(900));
+  options.progress_interval = absl::Milliseconds(100);
+  std::thread stopper([&goes] {
+    absl::SleepFor(absl::Milliseconds(300));
+    goes.reset();
+  });
+  const RunResult result = RunOk(options);
+  stopper.join();
+  const LoadStats& stats = result.stats;
+  EXPECT_EQ(stats.requests(), stats.sent) << "every call sent ended";
+  // At most the calls the stopping server had (it cancels them) or was sent
+  // before its connection showed it going away (UNAVAILABLE).
+  EXPECT_LE(stats.errors(), 20) << stats.first_error;
+  EXPECT_EQ(stats.errors(), stats.calls_by_code[1] + stats.calls_by_code[14]) << stats.first_error;
+  // The last interval with answers: all of them OK, from the server left.
+  const auto last = std::find_if(result.timeline.rbegin(), result.timeline.rend(),
+                                 [](const TimelinePoint& p) { return p.completed > 0; });
+  ASSERT_NE(last, result.timeline.rend());
+  EXPECT_EQ(last->errors, 0);
+  EXPECT_GT(stays.attend_calls(), 100);
+}
+
+TEST(RunnerTest, H2TakesPlaintextUnaryCallsOnly) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.transport = Transport::kH2;
+  options.stream = true;
+  EXPECT_THAT(RunLoad(options, SmallRequest()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--stream needs grpc")));
+  options.stream = false;
+  options.client.tls_ca_file = "ca.pem";
+  EXPECT_THAT(RunLoad(options, SmallRequest()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("TLS needs grpc")));
+  options.client.tls_ca_file.clear();
+  options.targets = {"dns:///localhost:1"};
+  EXPECT_THAT(RunLoad(options, SmallRequest()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("HOST:PORT")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RunnerTransportTest,
+                         ::testing::Values(Transport::kGrpc, Transport::kH2),
+                         [](const ::testing::TestParamInfo<Transport>& info) {
+                           return info.param == Transport::kH2 ? "h2" : "grpc";
+                         });
 
 }  // namespace
 }  // namespace attention::loadtest
