@@ -170,7 +170,9 @@ TEST(RunnerTest, OpenLoopOnAStream) {
   EXPECT_EQ(stats.errors(), 0) << stats.first_error;
 }
 
-TEST(RunnerTest, ErrorsAreCountedByCode) {
+// Over h2 the status comes in the trailers, or alone (a trailers-only
+// answer); either way the code and message are gRPC's.
+TEST_P(RunnerTransportTest, ErrorsAreCountedByCode) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
   options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
@@ -180,7 +182,13 @@ TEST(RunnerTest, ErrorsAreCountedByCode) {
   EXPECT_EQ(stats.errors(), 20);
   EXPECT_EQ(stats.first_error,
             "INVALID_ARGUMENT: mask.valid_lens: shape [3] does not match batch size 2");
+}
 
+TEST(RunnerTest, StreamErrorsAreCountedByCode) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
+  options.max_requests = 20;
   // Stream messages carry the runner's ids; a query the fake cannot read
   // makes each of them fail instead.
   options.stream = true;
@@ -254,21 +262,6 @@ TEST(RunnerTest, RejectsOptionsOutOfRange) {
   options.threads = 0;
   EXPECT_THAT(RunLoad(options, SmallRequest()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("threads")));
-}
-
-// Unary errors over h2: the status comes in the trailers, or alone (a
-// trailers-only answer); both carry the code and message gRPC would give.
-TEST(RunnerTest, H2CountsErrorsByCodeWithTheServersMessage) {
-  FakeAttentionServer server;
-  RunOptions options = Options({&server});
-  options.transport = Transport::kH2;
-  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::InfiniteDuration());
-  options.max_requests = 20;
-  const LoadStats stats = RunOk(options, SmallRequest("fail")).stats;
-  EXPECT_EQ(stats.calls_by_code[3], 20);  // INVALID_ARGUMENT
-  EXPECT_EQ(stats.errors(), 20);
-  EXPECT_EQ(stats.first_error,
-            "INVALID_ARGUMENT: mask.valid_lens: shape [3] does not match batch size 2");
 }
 
 // A server that shuts down says GOAWAY: its calls in flight end, and the
