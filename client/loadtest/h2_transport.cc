@@ -246,7 +246,8 @@ class H2Transport::Impl {
   void Read(Conn& conn);
   void Flush(Conn& conn);
   void SetWantOut(Conn& conn, bool want);
-  // Closes the connection, ends its calls UNAVAILABLE with `why`, and
+  // Closes the connection, ends its open calls UNAVAILABLE with `why` (and
+  // the calls waiting for it, when it was an attempt that failed), and
   // schedules the next attempt.
   void Fail(Conn& conn, const std::string& why);
   // `deadline`: steady ns, 0 for now + the timeout.
