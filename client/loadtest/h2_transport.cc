@@ -120,8 +120,12 @@ using h2_internal::CodeOfResetStream;
 constexpr size_t kGrpcPrefix = 5;            // compressed flag, 4-byte length
 constexpr size_t kReadChunk = 256 << 10;     // bytes read per recv
 constexpr size_t kWriteBatch = 256 << 10;    // bytes gathered per send
-constexpr int32_t kStreamWindow = 64 << 20;  // per stream, for large answers
-constexpr int32_t kSessionWindow = 1 << 30;  // the connection's
+// Receive windows: large answers (tens of MiB) stream without waiting on
+// WINDOW_UPDATEs, while a server never has more than this much queued
+// toward a tester that reads slowly (gRPC's client grows its window to a
+// few MiB by probing).
+constexpr int32_t kStreamWindow = 8 << 20;    // per stream
+constexpr int32_t kSessionWindow = 64 << 20;  // the connection's
 constexpr int kMaxEvents = 64;
 constexpr int32_t kLastStreamId = 0x7fffffff - 2048;  // client stream ids are odd, below 2^31
 

@@ -195,8 +195,7 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
   ATTN_ASSIGN_OR_RETURN(Schedule schedule, MakeSchedule(config));
   ATTN_ASSIGN_OR_RETURN(const Arrival arrival, ParseArrival(config.arrival));
-  const std::string transport = ResolveTransport(config);
-  if (transport != "grpc" && transport != "h2") {
+  if (config.transport != "auto" && config.transport != "grpc" && config.transport != "h2") {
     return absl::InvalidArgumentError(
         absl::StrCat("--transport: \"", config.transport, "\" is not one of auto, grpc and h2"));
   }
@@ -225,6 +224,7 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   if (config.request_file.empty()) {
     ATTN_ASSIGN_OR_RETURN(request, BuildRequest(shape, model_ptr));
   }
+  const std::string transport = ResolveTransport(config, request.ByteSizeLong());
   if (config.verify || !config.expected_file.empty()) {
     ATTN_ASSIGN_OR_RETURN(AnswerShapes shapes, ExpectedShapes(request, model_ptr));
     std::optional<v1::AttendResponse> expected;
@@ -275,10 +275,10 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
 
 }  // namespace
 
-std::string ResolveTransport(const LoadtestConfig& config) {
+std::string ResolveTransport(const LoadtestConfig& config, size_t request_bytes) {
   if (config.transport != "auto") return config.transport;
   const client::ClientOptions& c = config.client;
-  if (config.stream || !c.tls_ca_file.empty() || !c.tls_cert_file.empty() ||
+  if (config.stream || request_bytes > kMaxH2AutoRequestBytes || !c.tls_ca_file.empty() || !c.tls_cert_file.empty() ||
       !c.tls_key_file.empty() || !c.tls_server_name_override.empty()) {
     return "grpc";
   }

@@ -237,24 +237,29 @@ TEST_F(LoadtestServerTest, SetupErrorsExitWithOne) {
 
 TEST(LoadtestTransportTest, AutoTakesH2WhereItCanCarryTheRun) {
   LoadtestConfig config;
+  constexpr size_t kSmall = 4 << 10;
   for (const char* target : {"127.0.0.1:50051", "localhost:1", "[::1]:50051", "attention:80"}) {
     config.targets = {target};
-    EXPECT_EQ(ResolveTransport(config), "h2") << target;
+    EXPECT_EQ(ResolveTransport(config, kSmall), "h2") << target;
   }
+  EXPECT_EQ(ResolveTransport(config, kMaxH2AutoRequestBytes), "h2");
+  EXPECT_EQ(ResolveTransport(config, kMaxH2AutoRequestBytes + 1), "grpc");
   for (const char* target : {"dns:///localhost:1", "ipv4:127.0.0.1:1,127.0.0.2:1",
                              "unix:/tmp/socket", "localhost", "::1:50051", ":50051"}) {
     config.targets = {"127.0.0.1:1", target};
-    EXPECT_EQ(ResolveTransport(config), "grpc") << target;
+    EXPECT_EQ(ResolveTransport(config, kSmall), "grpc") << target;
   }
   config.targets = {"127.0.0.1:1"};
   config.stream = true;
-  EXPECT_EQ(ResolveTransport(config), "grpc");
+  EXPECT_EQ(ResolveTransport(config, kSmall), "grpc");
   config.stream = false;
   config.client.tls_ca_file = "ca.pem";
-  EXPECT_EQ(ResolveTransport(config), "grpc");
+  EXPECT_EQ(ResolveTransport(config, kSmall), "grpc");
   config.client.tls_ca_file.clear();
   config.transport = "grpc";
-  EXPECT_EQ(ResolveTransport(config), "grpc");
+  EXPECT_EQ(ResolveTransport(config, kSmall), "grpc");
+  config.transport = "h2";
+  EXPECT_EQ(ResolveTransport(config, kMaxH2AutoRequestBytes + 1), "h2");
 }
 
 // --- the binary -------------------------------------------------------------
