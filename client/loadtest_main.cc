@@ -35,7 +35,8 @@ ABSL_FLAG(std::string, transport, "auto",
           "h2: gRPC's wire protocol over HTTP/2 by nghttp2 on one thread, a third to three "
           "fifths of grpc's CPU per call; plaintext unary calls to HOST:PORT targets, no "
           "retries. grpc: gRPC's C++ client (streams, TLS, dns:/// and other gRPC targets, "
-          "--max_attempts). auto: h2 when it can carry the run, else grpc");
+          "--max_attempts). auto: h2 when it can carry the run and the request is at most "
+          "64 KiB, else grpc");
 ABSL_FLAG(int64_t, concurrency, 0,
           "Closed loop: calls in flight, each sent when the previous one returns (default 1 "
           "when neither --rate nor --schedule is given)");
