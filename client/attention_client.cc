@@ -50,10 +50,7 @@ absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::
 // Plaintext credentials, or TLS ones when any TLS option is set.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ClientOptions& options) {
-  if (options.tls_ca_file.empty() && options.tls_cert_file.empty() &&
-      options.tls_key_file.empty() && options.tls_server_name_override.empty()) {
-    return grpc::InsecureChannelCredentials();
-  }
+  if (!options.UsesTls()) return grpc::InsecureChannelCredentials();
   if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
     return absl::InvalidArgumentError(options.tls_cert_file.empty()
                                           ? "tls_key_file is set but tls_cert_file is not"

@@ -54,6 +54,12 @@ struct ClientOptions {
   // same target and options share them; a load tester opening several
   // connections to one server sets this.
   bool own_connection = false;
+
+  // Any of the four TLS options is set: the channel uses TLS.
+  bool UsesTls() const {
+    return !tls_ca_file.empty() || !tls_cert_file.empty() || !tls_key_file.empty() ||
+           !tls_server_name_override.empty();
+  }
 };
 
 // A connection to one attention service target. Thread-safe.

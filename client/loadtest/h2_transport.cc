@@ -1,6 +1,5 @@
 #include "client/loadtest/h2_transport.h"
 
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -23,12 +22,28 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/support/status.h"
 
 namespace attention::loadtest {
+
+std::optional<std::pair<std::string, std::string>> SplitHostPort(absl::string_view target) {
+  const size_t colon = target.rfind(':');
+  if (colon == absl::string_view::npos || colon == 0 || colon + 1 == target.size() ||
+      absl::StrContains(target, '/')) {
+    return std::nullopt;
+  }
+  absl::string_view host = target.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  } else if (absl::StrContains(host, ':')) {
+    return std::nullopt;
+  }
+  return std::make_pair(std::string(host), std::string(target.substr(colon + 1)));
+}
 
 namespace h2_internal {
 
@@ -117,9 +132,9 @@ namespace {
 using h2_internal::CodeOfHttpStatus;
 using h2_internal::CodeOfResetStream;
 
-constexpr size_t kGrpcPrefix = 5;            // compressed flag, 4-byte length
-constexpr size_t kReadChunk = 256 << 10;     // bytes read per recv
-constexpr size_t kWriteBatch = 256 << 10;    // bytes gathered per send
+constexpr size_t kGrpcPrefix = 5;          // compressed flag, 4-byte length
+constexpr size_t kReadChunk = 256 << 10;   // bytes read per recv
+constexpr size_t kWriteBatch = 256 << 10;  // bytes gathered per send
 // Receive windows: large answers (tens of MiB) stream without waiting on
 // WINDOW_UPDATEs, while a server never has more than this much queued
 // toward a tester that reads slowly (gRPC's client grows its window to a
@@ -142,17 +157,12 @@ struct Address {
 };
 
 absl::StatusOr<Address> Resolve(const std::string& target) {
-  const size_t colon = target.rfind(':');
-  if (colon == std::string::npos || colon + 1 == target.size() ||
-      target.find("://") != std::string::npos) {
+  const std::optional<std::pair<std::string, std::string>> host_port = SplitHostPort(target);
+  if (!host_port.has_value()) {
     return absl::InvalidArgumentError(
         absl::StrCat("target \"", target, "\": --transport h2 takes HOST:PORT"));
   }
-  std::string host = target.substr(0, colon);
-  const std::string port = target.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
+  const auto& [host, port] = *host_port;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

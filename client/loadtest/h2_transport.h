@@ -15,7 +15,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -104,6 +106,11 @@ class H2Transport {
 };
 
 // Helpers, exposed for tests.
+// The host and port of a HOST:PORT target (HOST a name, an IPv4 address or a
+// bracketed IPv6 one, brackets removed); nullopt for anything else, such as
+// gRPC's URIs (dns:///NAME, ipv4:A,B, unix:PATH).
+std::optional<std::pair<std::string, std::string>> SplitHostPort(absl::string_view target);
+
 namespace h2_internal {
 // grpc-timeout's value for `timeout` (at most 8 digits and a unit), rounded up.
 std::string GrpcTimeout(absl::Duration timeout);

@@ -14,13 +14,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/attention_client.h"
+#include "client/loadtest/h2_transport.h"
 #include "client/loadtest/report.h"
 #include "client/loadtest/runner.h"
 #include "client/loadtest/schedule.h"
@@ -277,20 +276,11 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
 
 std::string ResolveTransport(const LoadtestConfig& config, size_t request_bytes) {
   if (config.transport != "auto") return config.transport;
-  const client::ClientOptions& c = config.client;
-  if (config.stream || request_bytes > kMaxH2AutoRequestBytes || !c.tls_ca_file.empty() || !c.tls_cert_file.empty() ||
-      !c.tls_key_file.empty() || !c.tls_server_name_override.empty()) {
+  if (config.stream || request_bytes > kMaxH2AutoRequestBytes || config.client.UsesTls()) {
     return "grpc";
   }
   for (const std::string& target : config.targets) {
-    // HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 one; not a
-    // gRPC URI (dns:///, ipv4:, unix:, ...).
-    const size_t colon = target.rfind(':');
-    if (colon == std::string::npos || colon == 0 || colon + 1 == target.size()) return "grpc";
-    const absl::string_view host = absl::string_view(target).substr(0, colon);
-    const bool bracketed = host.front() == '[' && host.back() == ']';
-    if (!bracketed && absl::StrContains(host, ':')) return "grpc";
-    if (absl::StrContains(target, '/')) return "grpc";
+    if (!SplitHostPort(target).has_value()) return "grpc";  // a gRPC URI: dns:///, ipv4:, ...
   }
   return "h2";
 }

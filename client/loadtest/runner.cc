@@ -1210,9 +1210,7 @@ absl::Status CheckOptions(const RunOptions& options) {
     if (options.stream) {
       return absl::InvalidArgumentError("--transport h2 sends unary calls; --stream needs grpc");
     }
-    const client::ClientOptions& c = options.client;
-    if (!c.tls_ca_file.empty() || !c.tls_cert_file.empty() || !c.tls_key_file.empty() ||
-        !c.tls_server_name_override.empty()) {
+    if (options.client.UsesTls()) {
       return absl::InvalidArgumentError("--transport h2 is plaintext only; TLS needs grpc");
     }
   }

@@ -3,6 +3,10 @@
 
 #include "client/loadtest/h2_transport.h"
 
+#include <optional>
+#include <string>
+#include <utility>
+
 #include "absl/time/time.h"
 #include "grpcpp/support/status.h"
 #include "gtest/gtest.h"
@@ -44,3 +48,20 @@ TEST(H2TransportTest, HttpStatusAndResetsMapToGrpcCodes) {
 
 }  // namespace
 }  // namespace attention::loadtest::h2_internal
+
+namespace attention::loadtest {
+namespace {
+
+TEST(H2TransportTest, SplitHostPortTakesHostPortOnly) {
+  using HostPort = std::pair<std::string, std::string>;
+  EXPECT_EQ(SplitHostPort("127.0.0.1:50051"), HostPort("127.0.0.1", "50051"));
+  EXPECT_EQ(SplitHostPort("attention:80"), HostPort("attention", "80"));
+  EXPECT_EQ(SplitHostPort("[::1]:50051"), HostPort("::1", "50051"));
+  for (const char* target : {"dns:///localhost:1", "ipv4:127.0.0.1:1", "unix:/tmp/socket",
+                             "localhost", "::1:50051", ":50051", "localhost:"}) {
+    EXPECT_EQ(SplitHostPort(target), std::nullopt) << target;
+  }
+}
+
+}  // namespace
+}  // namespace attention::loadtest
