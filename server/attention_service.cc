@@ -52,6 +52,41 @@ AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepo
       auth_(auth),
       options_(options) {}
 
+// A unary call's reactor: counts the call open from its start until gRPC is
+// done with it (its answer's last byte handed to the socket). Deletes itself.
+class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit UnaryReactor(const AttentionServiceImpl* service) : service_(service) {
+    service_->CallOpened();
+  }
+  void OnDone() override {
+    service_->CallsEnded(1);
+    delete this;
+  }
+
+ private:
+  const AttentionServiceImpl* const service_;
+};
+
+void AttentionServiceImpl::StartDraining() { draining_.store(true); }
+
+absl::Time AttentionServiceImpl::last_call_end() const {
+  const int64_t ns = last_call_end_ns_.load();
+  return ns == INT64_MIN ? absl::InfinitePast() : absl::FromUnixNanos(ns);
+}
+
+void AttentionServiceImpl::CallsEnded(int64_t n) const {
+  if (n == 0) return;
+  last_call_end_ns_.store(absl::ToUnixNanos(absl::Now()));
+  open_calls_.fetch_sub(n);
+}
+
+absl::Status AttentionServiceImpl::CheckNotDraining() const {
+  if (!draining_.load()) return absl::OkStatus();
+  return absl::UnavailableError(
+      "the server is shutting down and takes no new calls; retry on another replica");
+}
+
 void AttentionServiceImpl::Record(absl::string_view method, absl::string_view model,
                                   const grpc::Status& status, absl::Time start,
                                   const JobTiming* timing) const {
@@ -79,12 +114,11 @@ absl::Status AttentionServiceImpl::Authenticate(const grpc::CallbackServerContex
   return auth_ == nullptr ? absl::OkStatus() : auth_->Check(context);
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::FinishUnary(grpc::CallbackServerContext* context,
+grpc::ServerUnaryReactor* AttentionServiceImpl::FinishUnary(grpc::ServerUnaryReactor* reactor,
                                                             absl::string_view method,
                                                             absl::string_view model,
                                                             absl::Time start,
                                                             const absl::Status& status) const {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const grpc::Status wire = ToGrpcStatus(status);
   Record(method, model, wire, start, nullptr);
   reactor->Finish(wire);
@@ -148,14 +182,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer* request_bytes,
                                                        grpc::ByteBuffer* response) {
   const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
   // Shared with the job's `done`, which outlives this call: the job's views
   // point into it.
   auto request = std::make_shared<v1::AttendRequest>();
-  absl::Status admitted = Authenticate(*context);
+  absl::Status admitted = CheckNotDraining();
+  if (admitted.ok()) admitted = Authenticate(*context);
   if (admitted.ok()) admitted = ParseMessage(*request_bytes, request.get());
   absl::StatusOr<Job> job = admitted.ok() ? MakeJob(*context, *request) : admitted;
-  if (!job.ok()) return FinishUnary(context, "Attend", request->model(), start, job.status());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!job.ok()) return FinishUnary(reactor, "Attend", request->model(), start, job.status());
   metrics_->AddInFlight(1);
   job->cancelled = [context] { return context->IsCancelled(); };
   const v1::Tensor::DType output_dtype = job->request->output_dtype;
@@ -179,7 +214,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   };
   if (absl::Status queued = scheduler_->Submit(*std::move(job)); !queued.ok()) {
     metrics_->AddInFlight(-1);
-    return FinishUnary(context, "Attend", request->model(), start, queued);
+    return FinishUnary(reactor, "Attend", request->model(), start, queued);
   }
   return reactor;
 }
@@ -192,9 +227,11 @@ class AttentionServiceImpl::StreamReactor final
   StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
     absl::MutexLock lock(&mu_);
-    if (absl::Status auth = service_->Authenticate(*context); !auth.ok()) {
+    absl::Status admitted = service_->CheckNotDraining();
+    if (admitted.ok()) admitted = service_->Authenticate(*context);
+    if (!admitted.ok()) {
       finished_ = true;
-      Finish(ToGrpcStatus(auth));
+      Finish(ToGrpcStatus(admitted));
       return;
     }
     ReadNextLocked();
@@ -213,8 +250,11 @@ class AttentionServiceImpl::StreamReactor final
         return;
       }
       ++in_flight_;
+      service_->CallOpened();
       parsed = ParseMessage(next_, request.get());
       next_.Clear();
+      // Parsed first, so that the refusal carries the request's id.
+      if (parsed.ok()) parsed = service_->CheckNotDraining();
     }
     // Unlocked from here: a small job may compute, and answer, within Submit.
     service_->metrics_->AddInFlight(1);
@@ -258,6 +298,7 @@ class AttentionServiceImpl::StreamReactor final
     writing_ = false;
     writes_.pop_front();
     --in_flight_;
+    service_->CallsEnded(1);
     if (!ok) cancelled_ = true;
     if (cancelled_) DropWritesLocked();
     WriteNextLocked();
@@ -296,6 +337,7 @@ class AttentionServiceImpl::StreamReactor final
     service_->metrics_->AddInFlight(-1);
     if (cancelled_) {
       --in_flight_;
+      service_->CallsEnded(1);
       MaybeFinishLocked();
       return;
     }
@@ -314,6 +356,7 @@ class AttentionServiceImpl::StreamReactor final
   // The caller is gone: answers not yet written never will be.
   void DropWritesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     in_flight_ -= static_cast<int>(writes_.size());
+    service_->CallsEnded(static_cast<int64_t>(writes_.size()));
     writes_.clear();
   }
 
@@ -352,9 +395,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
     grpc::CallbackServerContext* context, const v1::GetServerInfoRequest* /*request*/,
     v1::ServerInfo* response) {
   const absl::Time start = absl::Now();
-  if (absl::Status auth = Authenticate(*context); !auth.ok()) {
-    return FinishUnary(context, "GetServerInfo", "", start, auth);
-  }
+  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  absl::Status admitted = CheckNotDraining();
+  if (admitted.ok()) admitted = Authenticate(*context);
+  if (!admitted.ok()) return FinishUnary(reactor, "GetServerInfo", "", start, admitted);
   const EngineOptions& options = engine_->options();
   response->set_version(ATTENTION_VERSION);
   response->set_engine_backend(engine_->backend_name());
@@ -375,31 +419,35 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
       response->add_supported_dtypes(static_cast<v1::Tensor::DType>(dtype));
     }
   }
-  return FinishUnary(context, "GetServerInfo", "", start, absl::OkStatus());
+  return FinishUnary(reactor, "GetServerInfo", "", start, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
                                                            const v1::ListModelsRequest* /*request*/,
                                                            v1::ListModelsResponse* response) {
   const absl::Time start = absl::Now();
-  absl::Status status = Authenticate(*context);
+  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  absl::Status status = CheckNotDraining();
+  if (status.ok()) status = Authenticate(*context);
   if (status.ok()) {
     for (const Model* model : models_->models()) *response->add_models() = model->config;
   }
-  return FinishUnary(context, "ListModels", "", start, status);
+  return FinishUnary(reactor, "ListModels", "", start, status);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
                                                          const v1::GetModelRequest* request,
                                                          v1::GetModelResponse* response) {
   const absl::Time start = absl::Now();
-  absl::Status status = Authenticate(*context);
+  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  absl::Status status = CheckNotDraining();
+  if (status.ok()) status = Authenticate(*context);
   if (status.ok()) {
     absl::StatusOr<const Model*> model = FindModel(request->name());
     if (model.ok()) *response->mutable_config() = (*model)->config;
     status = model.status();
   }
-  return FinishUnary(context, "GetModel", "", start, status);
+  return FinishUnary(reactor, "GetModel", "", start, status);
 }
 
 }  // namespace attention::server

@@ -1,9 +1,11 @@
 #ifndef ATTENTION_SERVER_ATTENTION_SERVICE_H_
 #define ATTENTION_SERVER_ATTENTION_SERVICE_H_
 
+#include <atomic>
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "attention/v1/service.grpc.pb.h"
 #include "engine/engine.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -71,8 +73,19 @@ class AttentionServiceImpl final : public AttentionServiceBase {
                                      const v1::GetModelRequest* request,
                                      v1::GetModelResponse* response) override;
 
+  // The first step of a drain: from now on every new call, and every new
+  // request on an open stream, is answered UNAVAILABLE; calls taken before go
+  // on. Health and the connections are the caller's (AttentionServer).
+  void StartDraining();
+  // Calls, and requests on streams, taken and not yet over: the last byte of
+  // their answer has not yet been handed to the connection's socket.
+  int64_t open_calls() const { return open_calls_.load(); }
+  // When the last of them ended; InfinitePast() if none has.
+  absl::Time last_call_end() const;
+
  private:
   class StreamReactor;
+  class UnaryReactor;
   static constexpr int kMaxStreamInFlight = 32;
 
   absl::StatusOr<const Model*> FindModel(absl::string_view name) const;
@@ -82,9 +95,14 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // UNAUTHENTICATED unless the call carries the bearer token (when auth is on).
   absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
   // Finishes a unary call with `status` and records it.
-  grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
-                                        absl::string_view method, absl::string_view model,
-                                        absl::Time start, const absl::Status& status) const;
+  grpc::ServerUnaryReactor* FinishUnary(grpc::ServerUnaryReactor* reactor, absl::string_view method,
+                                        absl::string_view model, absl::Time start,
+                                        const absl::Status& status) const;
+  // Counts a call (or stream request) open / `n` of them over.
+  void CallOpened() const { open_calls_.fetch_add(1); }
+  void CallsEnded(int64_t n) const;
+  // UNAVAILABLE once draining: the refusal of every new call.
+  absl::Status CheckNotDraining() const;
   // Validates and converts `request` into a job whose `done` is still unset.
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
                               const v1::AttendRequest& request) const;
@@ -95,6 +113,10 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   Metrics* const metrics_;
   const TokenAuth* const auth_;
   const ServiceOptions options_;
+  std::atomic<bool> draining_{false};
+  mutable std::atomic<int64_t> open_calls_{0};
+  // absl::ToUnixNanos of last_call_end(); INT64_MIN before the first.
+  mutable std::atomic<int64_t> last_call_end_ns_{INT64_MIN};
 };
 
 }  // namespace attention::server

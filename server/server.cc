@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attention/v1/service.grpc.pb.h"
 #include "engine/status_macros.h"
 #include "grpc/grpc.h"
@@ -30,6 +32,12 @@
 
 namespace attention {
 namespace {
+
+// Shutdown: how often it looks whether the calls taken are over, and how long
+// it then leaves their answers' last bytes to reach the callers before the
+// connections close (a socket's send buffer holds up to a few MiB).
+constexpr absl::Duration kDrainPoll = absl::Milliseconds(1);
+constexpr absl::Duration kAnswerLinger = absl::Milliseconds(250);
 
 // Process-wide gRPC settings every server needs; done once, before any build.
 void InitGrpcOnce() {
@@ -81,7 +89,9 @@ absl::Status WarmUp(const Engine& engine, const ModelRepository& models) {
     const int64_t e = m->config.embed_dim();
     model_inputs.emplace_back(static_cast<size_t>(8 * e), 0.5f);
     AttentionArgs& a = model_args.emplace_back();
-    a.query = TensorView{DType::kFloat32, {1, 8, e}, model_inputs.back().data(),
+    a.query = TensorView{DType::kFloat32,
+                         {1, 8, e},
+                         model_inputs.back().data(),
                          model_inputs.back().size() * sizeof(float)};
     if (m->config.kdim() != e || m->config.vdim() != e) continue;  // needs its own key/value
     calls.push_back({&a, m->layer.get()});
@@ -139,9 +149,9 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
     ATTN_ASSIGN_OR_RETURN(impl->auth, server::TokenAuth::FromFile(options.auth_token_file));
   }
   if (options.metrics_port >= 0) {
-    ATTN_ASSIGN_OR_RETURN(impl->metrics_server,
-                          server::MetricsServer::Start(options.metrics_host, options.metrics_port,
-                                                       &impl->metrics));
+    ATTN_ASSIGN_OR_RETURN(
+        impl->metrics_server,
+        server::MetricsServer::Start(options.metrics_host, options.metrics_port, &impl->metrics));
   }
   ATTN_ASSIGN_OR_RETURN(impl->engine, Engine::Create(options.engine));
   if (options.model_repository.empty()) {
@@ -227,14 +237,26 @@ void AttentionServer::Shutdown() {
   absl::MutexLock lock(&impl_->mu);
   if (impl_->shut_down) return;
   impl_->shut_down = true;
-  // Health turns NOT_SERVING, new calls are refused, and calls in flight
-  // (queued or computing) get drain_seconds to finish before they are cancelled.
+  const absl::Time deadline = absl::Now() + absl::Seconds(impl_->drain_seconds);
   spdlog::info("draining: NOT_SERVING, refusing new calls, {} s for calls in flight",
                impl_->drain_seconds);
   impl_->grpc_server->GetHealthCheckService()->Shutdown();
-  impl_->grpc_server->Shutdown(std::chrono::system_clock::now() +
-                               std::chrono::microseconds(
-                                   static_cast<int64_t>(impl_->drain_seconds * 1e6)));
+  // The connections stay open until the calls taken have answered and their
+  // answers have left: gRPC closes a connection as soon as its last call
+  // ends after a shutdown began, and the close resets it when the caller's
+  // flow-control updates arrive after it, discarding what the socket still
+  // held of an answer (a 128 MiB one was cut off that way). Meanwhile the
+  // service refuses new calls UNAVAILABLE.
+  server::AttentionServiceImpl& service = *impl_->service;
+  service.StartDraining();
+  while (service.open_calls() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(kDrainPoll);
+  }
+  const absl::Time quiet = std::min(service.last_call_end() + kAnswerLinger, deadline);
+  if (absl::Now() < quiet) absl::SleepFor(quiet - absl::Now());
+  spdlog::info("drained: {} calls still open; closing connections", service.open_calls());
+  // Calls still open past the deadline are cancelled.
+  impl_->grpc_server->Shutdown(absl::ToChronoTime(deadline));
 }
 
 int AttentionServer::metrics_port() const {

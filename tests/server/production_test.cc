@@ -16,9 +16,9 @@
 #include "attention/v1/service.grpc.pb.h"
 #include "client/tensors.h"
 #include "gmock/gmock.h"
-#include "gtest/gtest.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
 #include "httplib.h"
 #include "server/metrics.h"
 #include "tests/safetensors_writer.h"
@@ -65,7 +65,8 @@ TEST(AuthTest, CallsNeedTheBearerTokenButHealthDoesNot) {
   client::AttentionClient& anonymous = (*server)->client();
   EXPECT_THAT(anonymous.Attend(Small()),
               StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("authorization")));
-  EXPECT_THAT(anonymous.GetServerInfo(), StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("")));
+  EXPECT_THAT(anonymous.GetServerInfo(),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("")));
   EXPECT_THAT(anonymous.Health(), IsOkAndHolds("SERVING"));
 
   client::ClientOptions wrong;
@@ -135,9 +136,11 @@ TEST_F(TlsTest, MutualTlsNeedsAClientCertificateFromTheTrustedCa) {
   auto no_cert = Client(**server, certs_->ca_cert());
   ASSERT_THAT(no_cert, IsOk());
   EXPECT_THAT((*no_cert)->Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
-  auto stranger = Client(**server, certs_->ca_cert(), certs_->stranger_cert(), certs_->stranger_key());
+  auto stranger =
+      Client(**server, certs_->ca_cert(), certs_->stranger_cert(), certs_->stranger_key());
   ASSERT_THAT(stranger, IsOk());
-  EXPECT_THAT((*stranger)->Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+  EXPECT_THAT((*stranger)->Attend(Small()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
 }
 
 TEST(MetricsEndToEndTest, ScrapedMetricsCountRequestsByCodeAndTimeThem) {
@@ -149,7 +152,8 @@ TEST(MetricsEndToEndTest, ScrapedMetricsCountRequestsByCodeAndTimeThem) {
   for (int i = 0; i < 3; ++i) ASSERT_THAT((*server)->client().Attend(Small()), IsOk());
   v1::AttendRequest bad = Small();
   bad.set_num_heads(3);
-  EXPECT_THAT((*server)->client().Attend(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_heads")));
+  EXPECT_THAT((*server)->client().Attend(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_heads")));
 
   httplib::Client http("127.0.0.1", (*server)->server().metrics_port());
   httplib::Result res = http.Get("/metrics");
@@ -157,7 +161,8 @@ TEST(MetricsEndToEndTest, ScrapedMetricsCountRequestsByCodeAndTimeThem) {
   ASSERT_EQ(res->status, 200);
   const std::map<std::string, double> m = ParseMetrics(res->body);
   EXPECT_EQ(m.at(R"(attention_requests_total{method="Attend",model="",code="OK"})"), 3);
-  EXPECT_EQ(m.at(R"(attention_requests_total{method="Attend",model="",code="INVALID_ARGUMENT"})"), 1);
+  EXPECT_EQ(m.at(R"(attention_requests_total{method="Attend",model="",code="INVALID_ARGUMENT"})"),
+            1);
   EXPECT_EQ(m.at(R"(attention_latency_seconds_count{stage="total",method="Attend"})"), 4);
   EXPECT_EQ(m.at(R"(attention_latency_seconds_count{stage="compute",method="Attend"})"), 3);
   EXPECT_EQ(m.at(R"(attention_latency_seconds_count{stage="queue",method="Attend"})"), 3);
@@ -186,35 +191,73 @@ TEST(MetricsTest, UnknownModelNamesShareOneLabel) {
   const std::string text = (*server)->server().metrics().RenderPrometheus();
   EXPECT_THAT(text, Not(HasSubstr("made-up")));
   const std::map<std::string, double> m = ParseMetrics(text);
-  EXPECT_EQ(m.at(R"x(attention_requests_total{method="Attend",model="(unknown)",code="NOT_FOUND"})x"),
-            20);
+  EXPECT_EQ(
+      m.at(R"x(attention_requests_total{method="Attend",model="(unknown)",code="NOT_FOUND"})x"),
+      20);
   EXPECT_EQ(m.at(R"(attention_requests_total{method="Attend",model="demo",code="OK"})"), 1);
 }
 
-// SIGTERM's path: Shutdown() while a call is computing lets it finish and
-// refuses new calls.
+// SIGTERM's path: Shutdown() while a call is computing lets it finish, and its
+// whole answer (128 MiB, far more than a socket holds) reach the caller, while
+// new calls, and new requests on an open stream, are refused.
 TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
   ServerOptions options;
   options.drain_seconds = 30;
   options.engine.max_score_elements = 0;
   auto server = TestServer::Start(options);
   ASSERT_THAT(server, IsOk());
+  client::AttentionClient& client = (*server)->client();
+  // The checks during the drain go over a second connection, not queued
+  // behind the big answer, and do not retry UNAVAILABLE.
+  client::ClientOptions checker_options;
+  checker_options.target = (*server)->server().address();
+  checker_options.own_connection = true;
+  checker_options.max_attempts = 1;
+  auto checker = client::AttentionClient::Create(checker_options);
+  ASSERT_THAT(checker, IsOk());
+  std::unique_ptr<v1::AttentionService::Stub> stub =
+      v1::AttentionService::NewStub((*checker)->channel());
+  grpc::ClientContext stream_context;
+  auto stream = stub->AttendStream(&stream_context);
+  v1::AttendResponse answer;
+  ASSERT_TRUE(stream->Write(Small("before")) && stream->Read(&answer));
+  ASSERT_EQ(answer.status().code(), 0);
+
   v1::AttendRequest big;  // a few hundred ms of compute on two cores
   *big.mutable_query() = Ramp({4, 8, 1024, 64});
   big.set_need_weights(true);
   absl::StatusOr<v1::AttendResponse> in_flight;
-  std::thread caller([&] { in_flight = (*server)->client().Attend(big); });
+  std::thread caller([&] { in_flight = client.Attend(big); });
   const server::Metrics& metrics = (*server)->server().metrics();
-  for (int i = 0; i < 2000 && ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"] < 1; ++i) {
+  for (int i = 0; i < 2000 && ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"] < 1;
+       ++i) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   ASSERT_EQ(ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"], 1);
   std::thread stopper([&] { (*server)->server().Shutdown(); });
+  absl::StatusOr<std::string> health;
+  for (int i = 0; i < 1000; ++i) {
+    health = (*checker)->Health();
+    if (health.ok() && *health == "NOT_SERVING") break;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_THAT(health, IsOkAndHolds("NOT_SERVING"));
+  // Refused by the service itself ("shutting down"), while the big call keeps
+  // the connection open.
+  EXPECT_THAT((*checker)->Attend(Small()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
+  ASSERT_TRUE(stream->Write(Small("during")) && stream->Read(&answer));
+  EXPECT_EQ(answer.id(), "during");
+  EXPECT_EQ(answer.status().code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(answer.status().message(), HasSubstr("shutting down"));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
   caller.join();
   stopper.join();
   ASSERT_THAT(in_flight, IsOk());
   EXPECT_EQ(in_flight->output().shape_size(), 4);
-  EXPECT_THAT((*server)->client().Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+  EXPECT_EQ(in_flight->weights().data().size(), size_t{4} * 8 * 1024 * 1024 * 4);
+  EXPECT_THAT(client.Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
 }
 
 // --max_connection_age_seconds: the server closes old connections, and the
@@ -241,8 +284,8 @@ TEST(ConnectionAgeTest, ANegativeAgeIsRefused) {
   ServerOptions options;
   options.listen = "127.0.0.1:0";
   options.max_connection_age_seconds = -1;
-  EXPECT_THAT(AttentionServer::Create(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_connection_age_seconds")));
+  EXPECT_THAT(AttentionServer::Create(options), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                         HasSubstr("max_connection_age_seconds")));
 }
 
 // --max_concurrent_streams: calls beyond the limit wait on the client's side
