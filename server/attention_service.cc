@@ -68,7 +68,15 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   const AttentionServiceImpl* const service_;
 };
 
-void AttentionServiceImpl::StartDraining() { draining_.store(true); }
+void AttentionServiceImpl::AddStream(StreamReactor* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.insert(stream);
+}
+
+void AttentionServiceImpl::RemoveStream(StreamReactor* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.erase(stream);
+}
 
 absl::Time AttentionServiceImpl::last_call_end() const {
   const int64_t ns = last_call_end_ns_.load();
@@ -226,6 +234,9 @@ class AttentionServiceImpl::StreamReactor final
  public:
   StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
+    // Registered before the drain check: a drain that starts meanwhile either
+    // finds this stream registered or is seen by the check.
+    service_->AddStream(this);
     absl::MutexLock lock(&mu_);
     absl::Status admitted = service_->CheckNotDraining();
     if (admitted.ok()) admitted = service_->Authenticate(*context);
@@ -235,6 +246,14 @@ class AttentionServiceImpl::StreamReactor final
       return;
     }
     ReadNextLocked();
+  }
+
+  // The server is draining: once the requests in flight are answered, the
+  // stream ends UNAVAILABLE (OK if the caller had half-closed), so that its
+  // caller moves to another replica now rather than when the drain times out.
+  void Drain() {
+    absl::MutexLock lock(&mu_);
+    MaybeFinishLocked();
   }
 
   void OnReadDone(bool ok) override {
@@ -249,6 +268,7 @@ class AttentionServiceImpl::StreamReactor final
         MaybeFinishLocked();
         return;
       }
+      if (finished_) return;  // a read that completed as a drain finished the stream
       ++in_flight_;
       service_->CallOpened();
       parsed = ParseMessage(next_, request.get());
@@ -291,6 +311,7 @@ class AttentionServiceImpl::StreamReactor final
     if (!reading_ && !reads_done_ && !cancelled_ && !finished_ && in_flight_ < kMaxStreamInFlight) {
       ReadNextLocked();
     }
+    MaybeFinishLocked();
   }
 
   void OnWriteDone(bool ok) override {
@@ -302,7 +323,7 @@ class AttentionServiceImpl::StreamReactor final
     if (!ok) cancelled_ = true;
     if (cancelled_) DropWritesLocked();
     WriteNextLocked();
-    if (!reading_ && !reads_done_ && !cancelled_ && in_flight_ < kMaxStreamInFlight) {
+    if (!reading_ && !reads_done_ && !cancelled_ && !finished_ && in_flight_ < kMaxStreamInFlight) {
       ReadNextLocked();
     }
     MaybeFinishLocked();
@@ -321,6 +342,7 @@ class AttentionServiceImpl::StreamReactor final
     // gRPC is not instrumented): taking mu_ once makes the order visible to
     // it, as the other reactions touch the members under mu_.
     { absl::MutexLock lock(&mu_); }
+    service_->RemoveStream(this);
     delete this;
   }
 
@@ -367,8 +389,14 @@ class AttentionServiceImpl::StreamReactor final
   }
 
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || in_flight_ > 0 || writing_ || reading_) return;
-    if (!reads_done_ && !cancelled_) return;
+    if (finished_ || in_flight_ > 0 || writing_) return;
+    if (!cancelled_ && !reads_done_ && service_->draining_.load()) {
+      // A read may be pending: it completes, not ok, once the call is over.
+      finished_ = true;
+      Finish(ToGrpcStatus(service_->CheckNotDraining()));
+      return;
+    }
+    if (reading_ || (!reads_done_ && !cancelled_)) return;
     finished_ = true;
     Finish(cancelled_ ? grpc::Status::CANCELLED : grpc::Status::OK);
   }
@@ -385,6 +413,12 @@ class AttentionServiceImpl::StreamReactor final
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+void AttentionServiceImpl::StartDraining() {
+  draining_.store(true);
+  absl::MutexLock lock(&streams_mu_);
+  for (StreamReactor* stream : streams_) stream->Drain();
+}
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* context) {

@@ -4,7 +4,10 @@
 #include <atomic>
 #include <cstdint>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attention/v1/service.grpc.pb.h"
 #include "engine/engine.h"
@@ -58,7 +61,8 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // and come in completion order; a bad request is answered with its status
   // and the stream goes on. At most kMaxStreamInFlight requests per stream are
   // unanswered at once: past that the server stops reading, so a caller that
-  // stops reading cannot make it buffer without bound.
+  // stops reading cannot make it buffer without bound. Once the server drains
+  // (StartDraining), a stream answers what it has taken and ends UNAVAILABLE.
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
@@ -75,7 +79,8 @@ class AttentionServiceImpl final : public AttentionServiceBase {
 
   // The first step of a drain: from now on every new call, and every new
   // request on an open stream, is answered UNAVAILABLE; calls taken before go
-  // on. Health and the connections are the caller's (AttentionServer).
+  // on; open streams end once their requests in flight are answered. Health
+  // and the connections are the caller's (AttentionServer).
   void StartDraining();
   // Calls, and requests on streams, taken and not yet over: the last byte of
   // their answer has not yet been handed to the connection's socket.
@@ -98,6 +103,9 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* FinishUnary(grpc::ServerUnaryReactor* reactor, absl::string_view method,
                                         absl::string_view model, absl::Time start,
                                         const absl::Status& status) const;
+  // Open streams, which StartDraining tells to end.
+  void AddStream(StreamReactor* stream);
+  void RemoveStream(StreamReactor* stream);
   // Counts a call (or stream request) open / `n` of them over.
   void CallOpened() const { open_calls_.fetch_add(1); }
   void CallsEnded(int64_t n) const;
@@ -114,6 +122,8 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   const TokenAuth* const auth_;
   const ServiceOptions options_;
   std::atomic<bool> draining_{false};
+  absl::Mutex streams_mu_;
+  absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   mutable std::atomic<int64_t> open_calls_{0};
   // absl::ToUnixNanos of last_call_end(); INT64_MIN before the first.
   mutable std::atomic<int64_t> last_call_end_ns_{INT64_MIN};

@@ -199,7 +199,7 @@ TEST(MetricsTest, UnknownModelNamesShareOneLabel) {
 
 // SIGTERM's path: Shutdown() while a call is computing lets it finish, and its
 // whole answer (128 MiB, far more than a socket holds) reach the caller, while
-// new calls, and new requests on an open stream, are refused.
+// new calls are refused and idle streams end.
 TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
   ServerOptions options;
   options.drain_seconds = 30;
@@ -246,18 +246,59 @@ TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
   // the connection open.
   EXPECT_THAT((*checker)->Attend(Small()),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
-  ASSERT_TRUE(stream->Write(Small("during")) && stream->Read(&answer));
-  EXPECT_EQ(answer.id(), "during");
-  EXPECT_EQ(answer.status().code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_THAT(answer.status().message(), HasSubstr("shutting down"));
-  stream->WritesDone();
-  EXPECT_TRUE(stream->Finish().ok());
+  // The stream open since before the drain, idle, is ended at once rather
+  // than when the drain times out; a new one is refused.
+  EXPECT_FALSE(stream->Read(&answer));
+  const grpc::Status ended = stream->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(ended.error_message(), HasSubstr("shutting down"));
+  grpc::ClientContext new_stream_context;
+  auto new_stream = stub->AttendStream(&new_stream_context);
+  EXPECT_FALSE(new_stream->Read(&answer));
+  const grpc::Status refused = new_stream->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.error_message(), HasSubstr("shutting down"));
   caller.join();
   stopper.join();
   ASSERT_THAT(in_flight, IsOk());
   EXPECT_EQ(in_flight->output().shape_size(), 4);
   EXPECT_EQ(in_flight->weights().data().size(), size_t{4} * 8 * 1024 * 1024 * 4);
   EXPECT_THAT(client.Attend(Small()), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+}
+
+// A stream with a request computing when the drain starts gets its answer,
+// then ends UNAVAILABLE.
+TEST(DrainTest, AStreamAnswersWhatItTookThenEnds) {
+  ServerOptions options;
+  options.drain_seconds = 30;
+  options.engine.max_score_elements = 0;
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  std::unique_ptr<v1::AttentionService::Stub> stub =
+      v1::AttentionService::NewStub((*server)->client().channel());
+  grpc::ClientContext context;
+  auto stream = stub->AttendStream(&context);
+  v1::AttendRequest big;  // about 9 GFLOP
+  big.set_id("big");
+  *big.mutable_query() = Ramp({4, 8, 1024, 64});
+  ASSERT_TRUE(stream->Write(big));
+  const server::Metrics& metrics = (*server)->server().metrics();
+  for (int i = 0; i < 2000 && ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"] < 1;
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"], 1);
+  std::thread stopper([&] { (*server)->server().Shutdown(); });
+  v1::AttendResponse answer;
+  EXPECT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.id(), "big");
+  EXPECT_EQ(answer.status().code(), 0) << answer.status().message();
+  EXPECT_EQ(answer.output().data().size(), size_t{4} * 8 * 1024 * 64 * 4);
+  EXPECT_FALSE(stream->Read(&answer));
+  const grpc::Status ended = stream->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(ended.error_message(), HasSubstr("shutting down"));
+  stopper.join();
 }
 
 // --max_connection_age_seconds: the server closes old connections, and the
