@@ -20,7 +20,7 @@
 #include <thread>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -234,7 +234,8 @@ class H2Transport::Impl {
     int64_t retry_at_ns = 0;
     int64_t backoff_ns = 0;
     std::atomic<bool> ready{false};
-    absl::flat_hash_set<Call*> calls;
+    // By stream id: nghttp2 knows a stream only once its HEADERS are out.
+    absl::flat_hash_map<int32_t, Call*> calls;
     // (deadline, stream id) in send order; the calls' timeouts are all alike.
     std::deque<std::pair<int64_t, int32_t>> deadlines;
     // Calls sent while the connection was not up, in order.
@@ -253,7 +254,12 @@ class H2Transport::Impl {
   void Loop();
   void Pace();
   void Wake();
-  int WaitMs() const;
+  // How long the loop may sleep: until the next deadline, reconnect or
+  // connection-attempt timeout (0: not at all).
+  int64_t WaitNs() const;
+  // epoll_wait for up to WaitNs(), to the nanosecond where the kernel has
+  // epoll_pwait2 (5.11), else rounded up to the millisecond.
+  int Wait(epoll_event* events);
   void Connect(Conn& conn, int64_t now);
   void OnConnected(Conn& conn);
   void OnEvents(Conn& conn, uint32_t events);
@@ -298,6 +304,7 @@ class H2Transport::Impl {
   // The loop's: the pacer and the time its timer is set for (-1: unset).
   std::function<int64_t(int64_t)> pacer_;
   int64_t timer_at_ns_ = -1;
+  bool millisecond_waits_ = false;  // no epoll_pwait2
   std::thread thread_;
   std::thread::id loop_id_;
   std::atomic<bool> stop_{false};
@@ -460,7 +467,7 @@ void H2Transport::Impl::Pace() {
   timer_at_ns_ = next;
 }
 
-int H2Transport::Impl::WaitMs() const {
+int64_t H2Transport::Impl::WaitNs() const {
   if (!local_pending_.empty()) return 0;
   const int64_t now = SteadyNs();
   int64_t next = now + 100'000'000;  // a 100 ms ceiling keeps the checks below honest
@@ -474,8 +481,18 @@ int H2Transport::Impl::WaitMs() const {
       next = std::min(next, conn->attempt_deadline_ns);
     }
   }
-  if (next <= now) return 0;
-  return static_cast<int>((next - now + 999'999) / 1'000'000);
+  return std::max<int64_t>(next - now, 0);
+}
+
+int H2Transport::Impl::Wait(epoll_event* events) {
+  const int64_t ns = WaitNs();
+  if (!millisecond_waits_) {
+    const timespec wait{ns / 1'000'000'000, ns % 1'000'000'000};
+    const int n = epoll_pwait2(epoll_fd_, events, kMaxEvents, &wait, nullptr);
+    if (n >= 0 || errno != ENOSYS) return n;
+    millisecond_waits_ = true;
+  }
+  return epoll_wait(epoll_fd_, events, kMaxEvents, static_cast<int>((ns + 999'999) / 1'000'000));
 }
 
 void H2Transport::Impl::Loop() {
@@ -485,7 +502,7 @@ void H2Transport::Impl::Loop() {
   epoll_event events[kMaxEvents];
   std::vector<Pending> batch;
   for (;;) {
-    const int n = epoll_wait(epoll_fd_, events, kMaxEvents, WaitMs());
+    const int n = Wait(events);
     for (int e = 0; e < n; ++e) {
       if (events[e].data.ptr == nullptr || events[e].data.ptr == &timer_tag_) {
         uint64_t count;
@@ -542,11 +559,11 @@ void H2Transport::Impl::Loop() {
     Report(p.info, grpc::StatusCode::CANCELLED, "the load test stopped");
   }
   for (const std::unique_ptr<Conn>& conn : conns_) {
-    for (Call* call : std::vector<Call*>(conn->calls.begin(), conn->calls.end())) {
-      conn->calls.erase(call);
+    for (const auto& [id, call] : conn->calls) {
       Report(call->info, grpc::StatusCode::CANCELLED, "the load test stopped");
       delete call;
     }
+    conn->calls.clear();
   }
 }
 
@@ -712,8 +729,7 @@ void H2Transport::Impl::Fail(Conn& conn, const std::string& why) {
                                         absl::ToInt64Nanoseconds(options_.reconnect_backoff_max));
   }
   const std::string message = absl::StrCat(conn.address.target, ": ", why);
-  for (Call* call : std::vector<Call*>(conn.calls.begin(), conn.calls.end())) {
-    conn.calls.erase(call);
+  for (const auto& [id, call] : std::exchange(conn.calls, {})) {
     Report(call->info, grpc::StatusCode::UNAVAILABLE, message);
     delete call;
   }
@@ -750,7 +766,7 @@ void H2Transport::Impl::Submit(Conn& conn, const H2CallInfo& info, int64_t deadl
     return;
   }
   call->stream_id = id;
-  conn.calls.insert(call);
+  conn.calls.emplace(id, call);
   if (id >= kLastStreamId) {
     // Stream ids run out: this connection takes no more calls, and is
     // replaced once its calls have ended.
@@ -771,7 +787,12 @@ void H2Transport::Impl::Expire(Conn& conn, int64_t now) {
   if (conn.session == nullptr) return;
   while (!conn.deadlines.empty()) {
     const auto [deadline, id] = conn.deadlines.front();
-    auto* call = static_cast<Call*>(nghttp2_session_get_stream_user_data(conn.session, id));
+    // Not nghttp2_session_get_stream_user_data: a call whose HEADERS are
+    // not out yet (just submitted, or held back by the server's stream
+    // limit) has no stream there. A reset cancels such a call before it is
+    // sent, and nghttp2 closes it all the same.
+    const auto it = conn.calls.find(id);
+    Call* call = it == conn.calls.end() ? nullptr : it->second;
     if (call != nullptr && deadline > now) break;
     conn.deadlines.pop_front();  // ended, or now past its deadline
     if (call == nullptr || call->local_code != 0) continue;
@@ -786,14 +807,14 @@ void H2Transport::Impl::CancelCalls(Conn& conn, const char* why) {
   waiting.swap(conn.waiting);
   for (const Conn::Waiting& w : waiting) Report(w.info, grpc::StatusCode::CANCELLED, why);
   if (conn.session == nullptr) return;
-  for (Call* call : conn.calls) {
+  for (const auto& [id, call] : conn.calls) {
     if (call->local_code != 0) continue;
     call->local_code = grpc::StatusCode::CANCELLED;
     call->local_message = why;
   }
   // Resets only queue frames: no call ends while this iterates.
-  for (Call* call : conn.calls) {
-    nghttp2_submit_rst_stream(conn.session, NGHTTP2_FLAG_NONE, call->stream_id, NGHTTP2_CANCEL);
+  for (const auto& [id, call] : conn.calls) {
+    nghttp2_submit_rst_stream(conn.session, NGHTTP2_FLAG_NONE, id, NGHTTP2_CANCEL);
   }
 }
 
@@ -803,7 +824,7 @@ void H2Transport::Impl::Report(const H2CallInfo& info, int code, absl::string_vi
 }
 
 void H2Transport::Impl::Finish(Conn& conn, Call* call, uint32_t reset_code) {
-  conn.calls.erase(call);
+  conn.calls.erase(call->stream_id);
   int code;
   std::string message;
   absl::string_view response;
