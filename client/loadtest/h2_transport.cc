@@ -270,6 +270,11 @@ class H2Transport::Impl {
   // the calls waiting for it, when it was an attempt that failed), and
   // schedules the next attempt.
   void Fail(Conn& conn, const std::string& why);
+  // A closing connection (GOAWAY, or stream ids run out) with calls still
+  // open: moves them, its socket and its session to a connection of its own
+  // in retiring_, where they end, and leaves `conn` down with its next
+  // attempt due now, so that new calls need not wait for the old ones.
+  void Retire(Conn& conn, int64_t now);
   // `deadline`: steady ns, 0 for now + the timeout.
   void Submit(Conn& conn, const H2CallInfo& info, int64_t deadline = 0);
   void Expire(Conn& conn, int64_t now);
@@ -297,6 +302,8 @@ class H2Transport::Impl {
   std::string timeout_value_;
   const int64_t timeout_ns_;
   std::vector<std::unique_ptr<Conn>> conns_;
+  // The loop's: closing connections whose calls are still ending (Retire).
+  std::vector<std::unique_ptr<Conn>> retiring_;
   int epoll_fd_ = -1;
   int event_fd_ = -1;
   int timer_fd_ = -1;
@@ -336,9 +343,11 @@ H2Transport::Impl::Impl(const H2Options& options, DoneFn done)
 
 H2Transport::Impl::~Impl() {
   Stop();
-  for (const std::unique_ptr<Conn>& conn : conns_) {
-    if (conn->session != nullptr) nghttp2_session_del(conn->session);
-    if (conn->fd >= 0) close(conn->fd);
+  for (auto* list : {&conns_, &retiring_}) {
+    for (const std::unique_ptr<Conn>& conn : *list) {
+      if (conn->session != nullptr) nghttp2_session_del(conn->session);
+      if (conn->fd >= 0) close(conn->fd);
+    }
   }
   if (epoll_fd_ >= 0) close(epoll_fd_);
   if (event_fd_ >= 0) close(event_fd_);
@@ -471,6 +480,9 @@ int64_t H2Transport::Impl::WaitNs() const {
   if (!local_pending_.empty()) return 0;
   const int64_t now = SteadyNs();
   int64_t next = now + 100'000'000;  // a 100 ms ceiling keeps the checks below honest
+  for (const std::unique_ptr<Conn>& conn : retiring_) {
+    if (!conn->deadlines.empty()) next = std::min(next, conn->deadlines.front().first);
+  }
   for (const std::unique_ptr<Conn>& conn : conns_) {
     if (!conn->deadlines.empty()) next = std::min(next, conn->deadlines.front().first);
     if (!conn->waiting.empty() && conn->waiting.front().deadline > 0) {
@@ -517,6 +529,7 @@ void H2Transport::Impl::Loop() {
     if (stop_.load()) break;
     if (cancel_.exchange(false)) {
       for (const std::unique_ptr<Conn>& conn : conns_) CancelCalls(*conn, "cancelled");
+      for (const std::unique_ptr<Conn>& conn : retiring_) CancelCalls(*conn, "cancelled");
     }
     batch.clear();
     {
@@ -531,8 +544,14 @@ void H2Transport::Impl::Loop() {
     local_pending_.clear();
     for (const Pending& p : batch) Submit(*conns_[p.conn], p.info);
     const int64_t now = SteadyNs();
+    for (const std::unique_ptr<Conn>& conn : retiring_) {
+      Expire(*conn, now);
+      if (conn->session != nullptr) Flush(*conn);  // fails it once its calls have ended
+    }
+    std::erase_if(retiring_, [](const std::unique_ptr<Conn>& c) { return c->session == nullptr; });
     for (const std::unique_ptr<Conn>& conn : conns_) {
       Conn& c = *conn;
+      if (c.state == State::kClosing && c.session != nullptr && !c.calls.empty()) Retire(c, now);
       Expire(c, now);
       if (c.state == State::kUp && !c.waiting.empty()) {
         std::deque<Conn::Waiting> waiting;
@@ -549,6 +568,7 @@ void H2Transport::Impl::Loop() {
   }
   // Whatever is still open ends CANCELLED; queued sends too.
   for (const std::unique_ptr<Conn>& conn : conns_) CancelCalls(*conn, "the load test stopped");
+  for (const std::unique_ptr<Conn>& conn : retiring_) CancelCalls(*conn, "the load test stopped");
   {
     absl::MutexLock lock(&mu_);
     batch.swap(pending_);
@@ -558,13 +578,39 @@ void H2Transport::Impl::Loop() {
   for (const Pending& p : batch) {
     Report(p.info, grpc::StatusCode::CANCELLED, "the load test stopped");
   }
-  for (const std::unique_ptr<Conn>& conn : conns_) {
-    for (const auto& [id, call] : conn->calls) {
-      Report(call->info, grpc::StatusCode::CANCELLED, "the load test stopped");
-      delete call;
+  for (auto* list : {&conns_, &retiring_}) {
+    for (const std::unique_ptr<Conn>& conn : *list) {
+      for (const auto& [id, call] : conn->calls) {
+        Report(call->info, grpc::StatusCode::CANCELLED, "the load test stopped");
+        delete call;
+      }
+      conn->calls.clear();
     }
-    conn->calls.clear();
   }
+}
+
+void H2Transport::Impl::Retire(Conn& conn, int64_t now) {
+  auto old = std::make_unique<Conn>();
+  old->owner = this;
+  old->address = conn.address;  // for Fail's messages; it sends no more requests
+  old->state = State::kClosing;
+  old->fd = std::exchange(conn.fd, -1);
+  old->session = std::exchange(conn.session, nullptr);
+  old->out = std::exchange(conn.out, {});
+  old->out_sent = std::exchange(conn.out_sent, 0);
+  old->want_out = std::exchange(conn.want_out, false);
+  old->calls = std::exchange(conn.calls, {});
+  old->deadlines = std::exchange(conn.deadlines, {});
+  nghttp2_session_set_user_data(old->session, old.get());
+  epoll_event event{};
+  event.events = old->want_out ? uint32_t{EPOLLIN | EPOLLOUT} : uint32_t{EPOLLIN};
+  event.data.ptr = old.get();
+  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, old->fd, &event);
+  retiring_.push_back(std::move(old));
+  Flush(*retiring_.back());  // what the read that saw the GOAWAY queued
+  conn.state = State::kDown;
+  conn.backoff_ns = absl::ToInt64Nanoseconds(options_.reconnect_backoff_initial);
+  conn.retry_at_ns = now;
 }
 
 void H2Transport::Impl::Connect(Conn& conn, int64_t now) {
@@ -768,8 +814,8 @@ void H2Transport::Impl::Submit(Conn& conn, const H2CallInfo& info, int64_t deadl
   call->stream_id = id;
   conn.calls.emplace(id, call);
   if (id >= kLastStreamId) {
-    // Stream ids run out: this connection takes no more calls, and is
-    // replaced once its calls have ended.
+    // Stream ids run out: this connection takes no more calls; the loop
+    // replaces it (Retire) while its calls end.
     conn.ready.store(false);
     conn.state = State::kClosing;
   }
@@ -916,8 +962,9 @@ int H2Transport::Impl::OnFrame(nghttp2_session* /*session*/, const nghttp2_frame
     conn.backoff_ns = absl::ToInt64Nanoseconds(conn.owner->options_.reconnect_backoff_initial);
     conn.ready.store(true);
   } else if (frame->hd.type == NGHTTP2_GOAWAY) {
-    // No new calls here; the calls the server took still end. The connection
-    // closes once they have, and the next one is made then.
+    // No new calls here; the calls the server took still end, on this
+    // connection, while the loop makes the next one (Retire).
+    // (Nothing moves here, inside nghttp2's read of this session.)
     conn.ready.store(false);
     conn.state = State::kClosing;
   }

@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/tensors.h"
+#include "grpc/grpc.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/server_context.h"
@@ -32,8 +33,8 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
   grpc::Status Attend(grpc::ServerContext* context, const v1::AttendRequest* request,
                       v1::AttendResponse* response) override {
     Record(*context);
-    CountAndStall(*context);
-    if (request->id() == "hang") {
+    const bool hang = CountAndStall(*context);
+    if (hang || request->id() == "hang") {
       const absl::Time give_up = absl::Now() + absl::Seconds(30);
       while (!context->IsCancelled() && absl::Now() < give_up)
         absl::SleepFor(absl::Milliseconds(5));
@@ -98,18 +99,22 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     state_->authorization = Authorization(context);
   }
 
-  // Counts an Attend call or stream message, and waits out a stall.
-  void CountAndStall(const grpc::ServerContext& context) {
+  // Counts an Attend call or stream message, and waits out a stall. True
+  // for the call HangCall chose.
+  bool CountAndStall(const grpc::ServerContext& context) {
     absl::Time until;
+    bool hang;
     {
       absl::MutexLock lock(&state_->mu);
       state_->peers.insert(context.peer());
       if (++state_->attend_calls == state_->stall_call) {
         state_->stalled_until = absl::Now() + state_->stall;
       }
+      hang = state_->attend_calls == state_->hang_call;
       until = state_->stalled_until;
     }
     absl::SleepFor(until - absl::Now());
+    return hang;
   }
 
   static grpc::Status Answer(const v1::AttendRequest& request, v1::AttendResponse* response) {
@@ -163,12 +168,17 @@ class FakeAttentionServer::HealthImpl final : public grpc::health::v1::Health::S
   State* state_;
 };
 
-FakeAttentionServer::FakeAttentionServer()
+FakeAttentionServer::FakeAttentionServer(absl::Duration max_connection_age)
     : attention_(std::make_unique<AttentionImpl>(&state_)),
       health_(std::make_unique<HealthImpl>(&state_)) {
   int port = 0;
   grpc::ServerBuilder builder;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  if (max_connection_age > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               static_cast<int>(absl::ToInt64Milliseconds(max_connection_age)));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, 30'000);
+  }
   builder.RegisterService(attention_.get());
   builder.RegisterService(health_.get());
   server_ = builder.BuildAndStart();
@@ -208,6 +218,11 @@ int64_t FakeAttentionServer::attend_calls() const {
 size_t FakeAttentionServer::distinct_peers() const {
   absl::MutexLock lock(&state_.mu);
   return state_.peers.size();
+}
+
+void FakeAttentionServer::HangCall(int64_t call) {
+  absl::MutexLock lock(&state_.mu);
+  state_.hang_call = call;
 }
 
 void FakeAttentionServer::StallCall(int64_t call, absl::Duration stall) {

@@ -30,8 +30,10 @@ namespace attention::testing {
 // NOT_FOUND. Thread-safe.
 class FakeAttentionServer {
  public:
-  // Starts serving; fails the current test if it cannot.
-  FakeAttentionServer();
+  // Starts serving; fails the current test if it cannot. With
+  // max_connection_age, connections older than that are sent GOAWAY (their
+  // calls get 30 s more), as the real server's --max_connection_age_seconds.
+  explicit FakeAttentionServer(absl::Duration max_connection_age = absl::ZeroDuration());
   ~FakeAttentionServer();
 
   FakeAttentionServer(const FakeAttentionServer&) = delete;
@@ -52,6 +54,8 @@ class FakeAttentionServer {
   // The call-th of them (1-based) stalls the server for `stall`: it, and every
   // one arriving meanwhile, is answered only when the stall is over.
   void StallCall(int64_t call, absl::Duration stall);
+  // The call-th of them (1-based) hangs as a "hang" call does.
+  void HangCall(int64_t call);
 
  private:
   class AttentionImpl;
@@ -65,6 +69,7 @@ class FakeAttentionServer {
     int64_t attend_calls ABSL_GUARDED_BY(mu) = 0;
     std::set<std::string> peers ABSL_GUARDED_BY(mu);
     int64_t stall_call ABSL_GUARDED_BY(mu) = 0;
+    int64_t hang_call ABSL_GUARDED_BY(mu) = 0;
     absl::Duration stall ABSL_GUARDED_BY(mu);
     absl::Time stalled_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   };

@@ -299,6 +299,31 @@ TEST(RunnerTest, H2MovesCallsToTheServerLeftWhenOneGoesAway) {
   EXPECT_GT(stays.attend_calls(), 100);
 }
 
+// A server's GOAWAY (here its connection age) while one call hangs on that
+// connection: the other caller's calls go on over a new connection at once,
+// instead of waiting for the hung call to end.
+TEST(RunnerTest, H2ReplacesAGoneAwayConnectionWhileItsCallsEnd) {
+  FakeAttentionServer server(/*max_connection_age=*/absl::Milliseconds(200));
+  server.HangCall(5);
+  RunOptions options = Options({&server});
+  options.transport = Transport::kH2;
+  options.client.timeout = absl::Seconds(3);
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::Milliseconds(1500));
+  options.progress_interval = absl::Milliseconds(100);
+  const RunResult result = RunOk(options);
+  // The hung call ends at its deadline, after the schedule.
+  EXPECT_EQ(result.stats.errors(), 1) << result.stats.first_error;
+  EXPECT_EQ(result.stats.calls_by_code[4], 1) << result.stats.first_error;
+  // Ages of 200 ms (+-10%): later connections answered in the schedule's
+  // second half, while the first one still held the hung call.
+  EXPECT_GE(server.distinct_peers(), 3u);
+  int64_t late = 0;
+  for (const TimelinePoint& point : result.timeline) {
+    if (point.t_s > 0.75 && point.t_s <= 1.5) late += point.completed;
+  }
+  EXPECT_GT(late, 100);
+}
+
 TEST(RunnerTest, H2TakesPlaintextUnaryCallsOnly) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
