@@ -197,14 +197,26 @@ TEST(MetricsTest, UnknownModelNamesShareOneLabel) {
   EXPECT_EQ(m.at(R"(attention_requests_total{method="Attend",model="demo",code="OK"})"), 1);
 }
 
+// A server whose drain gives calls 30 s, taking calls of any size.
+absl::StatusOr<std::unique_ptr<TestServer>> StartForDrain() {
+  ServerOptions options;
+  options.drain_seconds = 30;
+  options.engine.max_score_elements = 0;
+  return TestServer::Start(options);
+}
+
+// Waits up to 2 s until the server has exactly one call in flight.
+bool WaitForOneInFlight(const server::Metrics& metrics) {
+  auto in_flight = [&] { return ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"]; };
+  for (int i = 0; i < 2000 && in_flight() < 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+  return in_flight() == 1;
+}
+
 // SIGTERM's path: Shutdown() while a call is computing lets it finish, and its
 // whole answer (128 MiB, far more than a socket holds) reach the caller, while
 // new calls are refused and idle streams end.
 TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
-  ServerOptions options;
-  options.drain_seconds = 30;
-  options.engine.max_score_elements = 0;
-  auto server = TestServer::Start(options);
+  auto server = StartForDrain();
   ASSERT_THAT(server, IsOk());
   client::AttentionClient& client = (*server)->client();
   // The checks during the drain go over a second connection, not queued
@@ -228,12 +240,7 @@ TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
   big.set_need_weights(true);
   absl::StatusOr<v1::AttendResponse> in_flight;
   std::thread caller([&] { in_flight = client.Attend(big); });
-  const server::Metrics& metrics = (*server)->server().metrics();
-  for (int i = 0; i < 2000 && ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"] < 1;
-       ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_EQ(ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"], 1);
+  ASSERT_TRUE(WaitForOneInFlight((*server)->server().metrics()));
   std::thread stopper([&] { (*server)->server().Shutdown(); });
   absl::StatusOr<std::string> health;
   for (int i = 0; i < 1000; ++i) {
@@ -269,10 +276,7 @@ TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
 // A stream with a request computing when the drain starts gets its answer,
 // then ends UNAVAILABLE.
 TEST(DrainTest, AStreamAnswersWhatItTookThenEnds) {
-  ServerOptions options;
-  options.drain_seconds = 30;
-  options.engine.max_score_elements = 0;
-  auto server = TestServer::Start(options);
+  auto server = StartForDrain();
   ASSERT_THAT(server, IsOk());
   std::unique_ptr<v1::AttentionService::Stub> stub =
       v1::AttentionService::NewStub((*server)->client().channel());
@@ -282,12 +286,7 @@ TEST(DrainTest, AStreamAnswersWhatItTookThenEnds) {
   big.set_id("big");
   *big.mutable_query() = Ramp({4, 8, 1024, 64});
   ASSERT_TRUE(stream->Write(big));
-  const server::Metrics& metrics = (*server)->server().metrics();
-  for (int i = 0; i < 2000 && ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"] < 1;
-       ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_EQ(ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"], 1);
+  ASSERT_TRUE(WaitForOneInFlight((*server)->server().metrics()));
   std::thread stopper([&] { (*server)->server().Shutdown(); });
   v1::AttendResponse answer;
   EXPECT_TRUE(stream->Read(&answer));
