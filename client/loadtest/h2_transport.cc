@@ -48,10 +48,15 @@ std::optional<std::pair<std::string, std::string>> SplitHostPort(absl::string_vi
 namespace h2_internal {
 
 std::string GrpcTimeout(absl::Duration timeout) {
-  // Whole units, rounded up, plus one: a server's timer fires up to a
-  // millisecond early (gRPC's timers keep milliseconds), and a server that
-  // answered DEADLINE_EXCEEDED before the caller's own deadline would make
-  // the call look shorter than its timeout. At most 8 digits (gRPC's limit).
+  // 5% longer, in whole units rounded up, plus one: the caller's own timer
+  // must decide. A server's timer fires up to a millisecond early (gRPC's
+  // timers keep milliseconds), and this side's loop may run late on a busy
+  // machine; a server that answered DEADLINE_EXCEEDED first would make the
+  // call look shorter than its timeout, and gRPC closes a connection going
+  // away as soon as such a call ends, cutting off the calls beside it. When
+  // the caller's deadline passes, its reset cancels the server's work
+  // anyway. At most 8 digits (gRPC's limit).
+  timeout += timeout / 20;
   constexpr int64_t kMaxCount = 99'999'999;
   const std::pair<absl::Duration, char> units[] = {{absl::Milliseconds(1), 'm'},
                                                    {absl::Seconds(1), 'S'},

@@ -112,7 +112,8 @@ class H2Transport {
 std::optional<std::pair<std::string, std::string>> SplitHostPort(absl::string_view target);
 
 namespace h2_internal {
-// grpc-timeout's value for `timeout` (at most 8 digits and a unit), rounded up.
+// grpc-timeout's value for `timeout`: 5% and a millisecond longer (the caller's
+// own timer decides), rounded up, at most 8 digits and a unit.
 std::string GrpcTimeout(absl::Duration timeout);
 // grpc-message's value, percent-decoded.
 std::string PercentDecode(absl::string_view value);
