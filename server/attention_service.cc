@@ -89,8 +89,7 @@ void AttentionServiceImpl::CallsEnded(int64_t n) const {
   open_calls_.fetch_sub(n);
 }
 
-absl::Status AttentionServiceImpl::CheckNotDraining() const {
-  if (!draining_.load()) return absl::OkStatus();
+absl::Status AttentionServiceImpl::DrainingError() {
   return absl::UnavailableError(
       "the server is shutting down and takes no new calls; retry on another replica");
 }
@@ -118,7 +117,8 @@ void AttentionServiceImpl::Record(absl::string_view method, absl::string_view mo
                 status.ok() ? "" : " error=", status.error_message());
 }
 
-absl::Status AttentionServiceImpl::Authenticate(const grpc::CallbackServerContext& context) const {
+absl::Status AttentionServiceImpl::Admit(const grpc::CallbackServerContext& context) const {
+  if (draining_.load()) return DrainingError();
   return auth_ == nullptr ? absl::OkStatus() : auth_->Check(context);
 }
 
@@ -194,8 +194,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   // Shared with the job's `done`, which outlives this call: the job's views
   // point into it.
   auto request = std::make_shared<v1::AttendRequest>();
-  absl::Status admitted = CheckNotDraining();
-  if (admitted.ok()) admitted = Authenticate(*context);
+  absl::Status admitted = Admit(*context);
   if (admitted.ok()) admitted = ParseMessage(*request_bytes, request.get());
   absl::StatusOr<Job> job = admitted.ok() ? MakeJob(*context, *request) : admitted;
   if (!job.ok()) return FinishUnary(reactor, "Attend", request->model(), start, job.status());
@@ -238,9 +237,7 @@ class AttentionServiceImpl::StreamReactor final
     // finds this stream registered or is seen by the check.
     service_->AddStream(this);
     absl::MutexLock lock(&mu_);
-    absl::Status admitted = service_->CheckNotDraining();
-    if (admitted.ok()) admitted = service_->Authenticate(*context);
-    if (!admitted.ok()) {
+    if (absl::Status admitted = service_->Admit(*context); !admitted.ok()) {
       finished_ = true;
       Finish(ToGrpcStatus(admitted));
       return;
@@ -274,7 +271,7 @@ class AttentionServiceImpl::StreamReactor final
       parsed = ParseMessage(next_, request.get());
       next_.Clear();
       // Parsed first, so that the refusal carries the request's id.
-      if (parsed.ok()) parsed = service_->CheckNotDraining();
+      if (parsed.ok() && service_->draining_.load()) parsed = DrainingError();
     }
     // Unlocked from here: a small job may compute, and answer, within Submit.
     service_->metrics_->AddInFlight(1);
@@ -393,7 +390,7 @@ class AttentionServiceImpl::StreamReactor final
     if (!cancelled_ && !reads_done_ && service_->draining_.load()) {
       // A read may be pending: it completes, not ok, once the call is over.
       finished_ = true;
-      Finish(ToGrpcStatus(service_->CheckNotDraining()));
+      Finish(ToGrpcStatus(DrainingError()));
       return;
     }
     if (reading_ || (!reads_done_ && !cancelled_)) return;
@@ -430,9 +427,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
     v1::ServerInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  absl::Status admitted = CheckNotDraining();
-  if (admitted.ok()) admitted = Authenticate(*context);
-  if (!admitted.ok()) return FinishUnary(reactor, "GetServerInfo", "", start, admitted);
+  if (absl::Status admitted = Admit(*context); !admitted.ok()) {
+    return FinishUnary(reactor, "GetServerInfo", "", start, admitted);
+  }
   const EngineOptions& options = engine_->options();
   response->set_version(ATTENTION_VERSION);
   response->set_engine_backend(engine_->backend_name());
@@ -461,8 +458,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
                                                            v1::ListModelsResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  absl::Status status = CheckNotDraining();
-  if (status.ok()) status = Authenticate(*context);
+  absl::Status status = Admit(*context);
   if (status.ok()) {
     for (const Model* model : models_->models()) *response->add_models() = model->config;
   }
@@ -474,8 +470,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
                                                          v1::GetModelResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  absl::Status status = CheckNotDraining();
-  if (status.ok()) status = Authenticate(*context);
+  absl::Status status = Admit(*context);
   if (status.ok()) {
     absl::StatusOr<const Model*> model = FindModel(request->name());
     if (model.ok()) *response->mutable_config() = (*model)->config;

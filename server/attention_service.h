@@ -97,8 +97,9 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // Records a finished call of `method` in the metrics (and the debug log).
   void Record(absl::string_view method, absl::string_view model, const grpc::Status& status,
               absl::Time start, const JobTiming* timing) const;
-  // UNAUTHENTICATED unless the call carries the bearer token (when auth is on).
-  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
+  // Whether a new call is taken: UNAVAILABLE once draining, UNAUTHENTICATED
+  // unless it carries the bearer token (when auth is on).
+  absl::Status Admit(const grpc::CallbackServerContext& context) const;
   // Finishes a unary call with `status` and records it.
   grpc::ServerUnaryReactor* FinishUnary(grpc::ServerUnaryReactor* reactor, absl::string_view method,
                                         absl::string_view model, absl::Time start,
@@ -109,8 +110,8 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // Counts a call (or stream request) open / `n` of them over.
   void CallOpened() const { open_calls_.fetch_add(1); }
   void CallsEnded(int64_t n) const;
-  // UNAVAILABLE once draining: the refusal of every new call.
-  absl::Status CheckNotDraining() const;
+  // The UNAVAILABLE refusing new calls, and stream requests, once draining.
+  static absl::Status DrainingError();
   // Validates and converts `request` into a job whose `done` is still unset.
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
                               const v1::AttendRequest& request) const;

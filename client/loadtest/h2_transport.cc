@@ -280,6 +280,12 @@ class H2Transport::Impl {
   // in retiring_, where they end, and leaves `conn` down with its next
   // attempt due now, so that new calls need not wait for the old ones.
   void Retire(Conn& conn, int64_t now);
+  // f(conn) for every connection: the targets' and the retiring ones.
+  template <typename F>
+  void ForEachConn(F f) {
+    for (const std::unique_ptr<Conn>& conn : conns_) f(*conn);
+    for (const std::unique_ptr<Conn>& conn : retiring_) f(*conn);
+  }
   // `deadline`: steady ns, 0 for now + the timeout.
   void Submit(Conn& conn, const H2CallInfo& info, int64_t deadline = 0);
   void Expire(Conn& conn, int64_t now);
@@ -348,12 +354,10 @@ H2Transport::Impl::Impl(const H2Options& options, DoneFn done)
 
 H2Transport::Impl::~Impl() {
   Stop();
-  for (auto* list : {&conns_, &retiring_}) {
-    for (const std::unique_ptr<Conn>& conn : *list) {
-      if (conn->session != nullptr) nghttp2_session_del(conn->session);
-      if (conn->fd >= 0) close(conn->fd);
-    }
-  }
+  ForEachConn([](Conn& conn) {
+    if (conn.session != nullptr) nghttp2_session_del(conn.session);
+    if (conn.fd >= 0) close(conn.fd);
+  });
   if (epoll_fd_ >= 0) close(epoll_fd_);
   if (event_fd_ >= 0) close(event_fd_);
   if (timer_fd_ >= 0) close(timer_fd_);
@@ -532,10 +536,8 @@ void H2Transport::Impl::Loop() {
       OnEvents(*static_cast<Conn*>(events[e].data.ptr), events[e].events);
     }
     if (stop_.load()) break;
-    if (cancel_.exchange(false)) {
-      for (const std::unique_ptr<Conn>& conn : conns_) CancelCalls(*conn, "cancelled");
-      for (const std::unique_ptr<Conn>& conn : retiring_) CancelCalls(*conn, "cancelled");
-    }
+    if (cancel_.exchange(false))
+      ForEachConn([this](Conn& conn) { CancelCalls(conn, "cancelled"); });
     batch.clear();
     {
       absl::MutexLock lock(&mu_);
@@ -572,8 +574,7 @@ void H2Transport::Impl::Loop() {
     }
   }
   // Whatever is still open ends CANCELLED; queued sends too.
-  for (const std::unique_ptr<Conn>& conn : conns_) CancelCalls(*conn, "the load test stopped");
-  for (const std::unique_ptr<Conn>& conn : retiring_) CancelCalls(*conn, "the load test stopped");
+  ForEachConn([this](Conn& conn) { CancelCalls(conn, "the load test stopped"); });
   {
     absl::MutexLock lock(&mu_);
     batch.swap(pending_);
@@ -583,15 +584,12 @@ void H2Transport::Impl::Loop() {
   for (const Pending& p : batch) {
     Report(p.info, grpc::StatusCode::CANCELLED, "the load test stopped");
   }
-  for (auto* list : {&conns_, &retiring_}) {
-    for (const std::unique_ptr<Conn>& conn : *list) {
-      for (const auto& [id, call] : conn->calls) {
-        Report(call->info, grpc::StatusCode::CANCELLED, "the load test stopped");
-        delete call;
-      }
-      conn->calls.clear();
+  ForEachConn([this](Conn& conn) {
+    for (const auto& [id, call] : std::exchange(conn.calls, {})) {
+      Report(call->info, grpc::StatusCode::CANCELLED, "the load test stopped");
+      delete call;
     }
-  }
+  });
 }
 
 void H2Transport::Impl::Retire(Conn& conn, int64_t now) {
