@@ -310,6 +310,12 @@ absl::StatusOr<CliCommand> ParseCliArgs(const std::vector<std::string>& args) {
 
 std::string CliUsage() { return std::string(kUsage); }
 
+std::vector<std::string> CliFlagNames() {
+  std::vector<std::string> names;
+  for (const Flag& flag : kFlags) names.emplace_back(flag.name);
+  return names;
+}
+
 int RunCli(const std::vector<std::string>& args, std::istream& in, std::ostream& out,
            std::ostream& err) {
   absl::StatusOr<CliCommand> command = ParseCliArgs(args);

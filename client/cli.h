@@ -42,6 +42,9 @@ absl::StatusOr<CliCommand> ParseCliArgs(const std::vector<std::string>& args);
 // The --help text.
 std::string CliUsage();
 
+// The names of the flags RunCli accepts (without "--").
+std::vector<std::string> CliFlagNames();
+
 // Runs one command line (without the program name). Reads a `call` request
 // from `in` when its input is "-", writes results to `out`, and on failure
 // one line "error: CODE: message" to `err`. Returns kCliOk, kCliError or

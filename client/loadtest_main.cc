@@ -14,8 +14,6 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
@@ -25,6 +23,7 @@
 #include "client/attention_client.h"
 #include "client/loadtest/loadtest.h"
 #include "client/loadtest/thresholds.h"
+#include "common/flags_help.h"
 
 ABSL_FLAG(std::vector<std::string>, target, std::vector<std::string>({"127.0.0.1:50051"}),
           "HOST:PORT, dns:///NAME:PORT or any gRPC target; repeat the flag for several, which "
@@ -228,14 +227,7 @@ int main(int argc, char** argv) {
   // absl::Mutex's deadlock detection (on in Debian's build) keeps a lock graph
   // on every Lock, gRPC's own included: CPU the tester would spend on each call.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  absl::SetProgramUsageMessage(kUsage);
-  // --help lists the flags of the file named after the program by default;
-  // these are in loadtest_main.cc.
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "loadtest_main.cc");
-  };
-  absl::SetFlagsUsageConfig(usage);
+  attention::SetUsageAndHelpFile(kUsage, "client/loadtest_main.cc");
   std::vector<char*> args(argv, argv + argc);
   const std::vector<std::string> targets =
       TakeRepeatedFlag("target", /*split_commas=*/false, &args);

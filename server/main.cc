@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/flags_help.h"
 #include "engine/engine.h"
 #include "server/logging.h"
 #include "server/openmp_defaults.h"
@@ -109,7 +110,8 @@ int main(int argc, char** argv) {
   // absl::Mutex's deadlock detection (on in Debian's build) keeps a lock
   // graph on every Lock: a cost on each call's path. The tests keep it on.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  absl::SetProgramUsageMessage("Serves attention.v1.AttentionService over gRPC.");
+  attention::SetUsageAndHelpFile("Serves attention.v1.AttentionService over gRPC.",
+                                 "server/main.cc");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {
     std::fprintf(stderr, "attention_server: unexpected argument %s\n", positional[1]);

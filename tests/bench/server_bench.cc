@@ -30,6 +30,7 @@
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/flags_help.h"
 #include "attention/v1/service.grpc.pb.h"
 #include "client/attention_client.h"
 #include "client/tensors.h"
@@ -1019,6 +1020,9 @@ int main(int argc, char** argv) {
   // the cores gRPC needs (may execute this binary again).
   attention::server::ReexecWithOpenMpDefaults(argv);
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  attention::SetUsageAndHelpFile(
+      "Measures attention_server end to end beside a bare gRPC echo on the same machine.",
+      "tests/bench/server_bench.cc");
   absl::ParseCommandLine(argc, argv);
   if (absl::Status status = attention::Run(); !status.ok()) {
     std::cerr << "attention_server_bench: " << status << "\n";

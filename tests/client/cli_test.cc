@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -19,6 +20,7 @@ using ::attention::testing::FakeAttentionServer;
 using ::attention::testing::IsOk;
 using ::attention::testing::StatusIs;
 using ::testing::AllOf;
+using ::testing::Contains;
 using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -160,6 +162,15 @@ TEST(RunCliTest, HelpPrintsUsageAndExitsZero) {
   EXPECT_THAT(result.out, StartsWith("usage: attention_cli"));
   EXPECT_THAT(result.err, IsEmpty());
   EXPECT_EQ(RunCliOn({"-h", "call"}).code, kCliOk);
+}
+
+TEST(RunCliTest, HelpListsEveryFlag) {
+  const std::string help = RunCliOn({"--help"}).out;
+  const std::vector<std::string> flags = CliFlagNames();
+  EXPECT_THAT(flags, Contains("target"));
+  for (const std::string& flag : flags) {
+    EXPECT_THAT(help, HasSubstr(absl::StrCat("\n  --", flag, " "))) << flag;
+  }
 }
 
 // The request is parsed before connecting: these fail without any server.
