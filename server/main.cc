@@ -72,6 +72,10 @@ ABSL_FLAG(int32_t, metrics_port, -1,
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "Address for the metrics endpoint");
 ABSL_FLAG(std::string, log_level, "info",
           "trace, debug (one line per request), info, warn, error or off");
+ABSL_FLAG(double, malloc_trim_idle_seconds, attention::ServerOptions().malloc_trim_idle_seconds,
+          "Once no call has been in flight for this long, give the memory malloc keeps after "
+          "it is freed back to the system (malloc_trim), so RSS falls back after a burst; 0: "
+          "never");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port number is written to this file once the server serves");
 
@@ -150,6 +154,7 @@ int main(int argc, char** argv) {
   options.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   options.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.malloc_trim_idle_seconds = absl::GetFlag(FLAGS_malloc_trim_idle_seconds);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);

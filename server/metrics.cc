@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "engine/attention.h"
 #include "httplib.h"
+#include "server/heap_trimmer.h"
 
 namespace attention::server {
 namespace {
@@ -148,7 +149,10 @@ void Metrics::ObserveBatchSize(int size) {
 
 void Metrics::SetQueueDepth(int64_t depth) { queue_depth_.store(depth, std::memory_order_relaxed); }
 
-void Metrics::AddInFlight(int delta) { in_flight_.fetch_add(delta, std::memory_order_relaxed); }
+void Metrics::AddInFlight(int delta) {
+  in_flight_.fetch_add(delta, std::memory_order_relaxed);
+  if (delta > 0) calls_started_.fetch_add(delta, std::memory_order_relaxed);
+}
 
 void Metrics::CountNotComputed(absl::string_view reason) {
   std::string key(reason);
@@ -221,6 +225,16 @@ std::string Metrics::RenderPrometheus() const {
                "Freed engine output blocks (1 MiB and more) kept for reuse, up to 512 MiB; freed "
                "after 10 s unused.", &out);
   AppendSample("attention_engine_pooled_bytes", "", absl::StrCat(PooledOutputBytes()), &out);
+
+  const HeapTrimStats trim = HeapTrimStatsNow();
+  AppendHeader("attention_malloc_trims_total", "counter",
+               "Times the heap's free pages were given back to the system, each once the server "
+               "had no call in flight for --malloc_trim_idle_seconds.",
+               &out);
+  AppendSample("attention_malloc_trims_total", "", absl::StrCat(trim.trims), &out);
+  AppendHeader("attention_malloc_trim_seconds_total", "counter",
+               "Time spent giving the heap's free pages back to the system.", &out);
+  AppendSample("attention_malloc_trim_seconds_total", "", absl::StrCat(trim.seconds), &out);
 
   AppendHeader("attention_not_computed_total", "counter",
                "Requests dropped before compute because their call was cancelled or past its "

@@ -26,6 +26,8 @@ namespace attention::server {
 //   attention_batch_size                                   histogram
 //   attention_queue_depth, attention_in_flight             gauges
 //   attention_engine_pooled_bytes                          gauge (the process's)
+//   attention_malloc_trims_total                           counter (the process's)
+//   attention_malloc_trim_seconds_total                    counter (the process's)
 //   attention_not_computed_total{reason}                   counter
 // Label values are free text (escaped when rendered). Thread-safe; recording
 // takes one short mutex hold (gauges are lock-free).
@@ -54,6 +56,10 @@ class Metrics {
   void SetQueueDepth(int64_t depth);
   // Calls being handled; +1 when one starts, -1 when it finishes.
   void AddInFlight(int delta);
+  // Calls being handled now, and calls started so far (the sum of
+  // AddInFlight's positive deltas).
+  int64_t in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
+  uint64_t calls_started() const { return calls_started_.load(std::memory_order_relaxed); }
   // A request dropped before compute because its call was over; `reason` is
   // "cancelled" or "deadline_exceeded" (both are rendered from the start, at 0).
   void CountNotComputed(absl::string_view reason);
@@ -80,6 +86,7 @@ class Metrics {
   std::map<std::string, uint64_t> not_computed_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> queue_depth_{0};
   std::atomic<int64_t> in_flight_{0};
+  std::atomic<uint64_t> calls_started_{0};
 };
 
 // An HTTP server on its own threads answering

@@ -25,6 +25,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "server/attention_service.h"
+#include "server/heap_trimmer.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/security.h"
@@ -108,6 +109,7 @@ absl::Status WarmUp(const Engine& engine, const ModelRepository& models) {
 struct AttentionServer::Impl {
   // First: outlives everything that records into it.
   server::Metrics metrics;
+  std::unique_ptr<server::HeapTrimmer> trimmer;  // watches `metrics`
   std::unique_ptr<server::MetricsServer> metrics_server;
   std::unique_ptr<server::TokenAuth> auth;
   std::unique_ptr<Engine> engine;
@@ -139,9 +141,20 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "max_concurrent_streams: ", options.max_concurrent_streams, " must be >= 0 (0: no limit)"));
   }
+  if (!(options.malloc_trim_idle_seconds >= 0 && options.malloc_trim_idle_seconds <= kMaxSeconds)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malloc_trim_idle_seconds: ", options.malloc_trim_idle_seconds,
+                     " must be in [0, ", kMaxSeconds, "] (0: never)"));
+  }
   InitGrpcOnce();
 
   auto impl = std::make_unique<Impl>();
+  if (options.malloc_trim_idle_seconds > 0) {
+    impl->trimmer = std::make_unique<server::HeapTrimmer>(
+        absl::Seconds(options.malloc_trim_idle_seconds), [metrics = &impl->metrics] {
+          return server::ServerActivity{metrics->in_flight(), metrics->calls_started()};
+        });
+  }
   ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                         server::MakeServerCredentials(options.tls_cert_file, options.tls_key_file,
                                                       options.tls_client_ca_file));

@@ -63,6 +63,11 @@ struct ServerOptions {
   // transport, where --max_queue does not see them. An open AttendStream
   // holds its place for as long as it is open. 0: no limit.
   int32_t max_concurrent_streams = 256;
+
+  // Once no call has been in flight for this long, give the memory malloc
+  // keeps after it is freed back to the system (server/heap_trimmer.h), so
+  // RSS falls back after a burst. 0: never.
+  double malloc_trim_idle_seconds = 1;
   EngineOptions engine;
 };
 

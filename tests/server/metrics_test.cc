@@ -230,6 +230,8 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
                                   {"attention_queue_depth", "gauge"},
                                   {"attention_in_flight", "gauge"},
                                   {"attention_engine_pooled_bytes", "gauge"},
+                                  {"attention_malloc_trims_total", "counter"},
+                                  {"attention_malloc_trim_seconds_total", "counter"},
                                   {"attention_not_computed_total", "counter"},
                               }));
   EXPECT_THAT(exposition.Value("attention_queue_depth"), Optional(0.0));
