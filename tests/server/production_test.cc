@@ -20,6 +20,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
+#include "server/heap_trimmer.h"
 #include "server/metrics.h"
 #include "tests/safetensors_writer.h"
 #include "tests/server/test_server.h"
@@ -169,6 +170,33 @@ TEST(MetricsEndToEndTest, ScrapedMetricsCountRequestsByCodeAndTimeThem) {
   EXPECT_GE(m.at("attention_batch_size_count"), 3);  // warm-up batches count too
   EXPECT_EQ(m.at("attention_in_flight"), 0);
   EXPECT_EQ(m.at("attention_queue_depth"), 0);
+}
+
+// --malloc_trim_idle_seconds: once the calls are over, the server gives its
+// heap's free pages back (server/heap_trimmer.h has the unit tests).
+TEST(HeapTrimEndToEndTest, TheServerTrimsOnceItsCallsAreOver) {
+  ServerOptions options;
+  options.malloc_trim_idle_seconds = 0.05;
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  const int64_t before = server::HeapTrimStatsNow().trims;
+  for (int i = 0; i < 3; ++i) ASSERT_THAT((*server)->client().Attend(Small()), IsOk());
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (server::HeapTrimStatsNow().trims == before && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_GT(server::HeapTrimStatsNow().trims, before);
+  const std::map<std::string, double> m =
+      ParseMetrics((*server)->server().metrics().RenderPrometheus());
+  EXPECT_GE(m.at("attention_malloc_trims_total"), 1);
+}
+
+TEST(HeapTrimEndToEndTest, ANegativeIdleTimeIsRefused) {
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.malloc_trim_idle_seconds = -1;
+  EXPECT_THAT(AttentionServer::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("malloc_trim_idle_seconds")));
 }
 
 // A caller cannot grow the metrics: names of models that are not registered
