@@ -286,7 +286,7 @@ class Storage {
   // once per call.
   const float* Floats(const TensorView& v) {
     if (v.dtype == DType::kFloat32) return static_cast<const float*>(v.data);
-    auto [it, added] = float_copies_.try_emplace(v.data);
+    auto [it, added] = float_copies_.try_emplace(KeyOf(v));
     if (added) {
       const int64_t n = static_cast<int64_t>(v.size_bytes / DTypeSize(v.dtype));
       it->second.resize(static_cast<size_t>(n));
@@ -306,7 +306,7 @@ class Storage {
   }
   const uint16_t* BFloat16s(const TensorView& v) {
     if (v.dtype == DType::kBFloat16) return static_cast<const uint16_t*>(v.data);
-    auto [it, added] = half_copies_.try_emplace(v.data);
+    auto [it, added] = half_copies_.try_emplace(KeyOf(v));
     if (added) {
       const int64_t n = static_cast<int64_t>(v.size_bytes / DTypeSize(v.dtype));
       it->second.resize(static_cast<size_t>(n));
@@ -328,8 +328,13 @@ class Storage {
   }
 
  private:
-  std::map<const void*, FloatBuffer> float_copies_;
-  std::map<const void*, HalfBuffer> half_copies_;
+  // Views of one buffer may differ in dtype and length (a query and a key
+  // that is a prefix of it): each is its own input.
+  using Key = std::tuple<const void*, DType, size_t>;
+  static Key KeyOf(const TensorView& v) { return {v.data, v.dtype, v.size_bytes}; }
+
+  std::map<Key, FloatBuffer> float_copies_;
+  std::map<Key, HalfBuffer> half_copies_;
   // Deques: references handed out stay valid as more buffers are added.
   std::deque<FloatBuffer> floats_;
   std::deque<HalfBuffer> halves_;

@@ -4,9 +4,12 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/engine.h"
+#include "engine/half.h"
 #include "engine/multihead.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -101,6 +104,41 @@ TEST_P(BatchTest, ABadCallFailsAloneAndTheOthersStillRun) {
   EXPECT_TRUE(results[0].ok()) << results[0].status();
   EXPECT_THAT(results[1], StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("query: last dim 7")));
   EXPECT_THAT(results[2], StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_heads: 3")));
+}
+
+// Views that share one buffer but differ in length or dtype are different
+// inputs: each is converted on its own. (Conversions keyed on the pointer
+// alone handed one view the other's copy: a read past the end of a shorter
+// one, through the public API.)
+TEST_P(BatchTest, ViewsOfOneBufferAreConvertedEachOnItsOwn) {
+  const Input source = Random({1, 64, 16}, 9);
+  std::vector<uint16_t> shared(source.values.size());
+  for (size_t i = 0; i < shared.size(); ++i) shared[i] = FloatToFloat16(source.values[i]);
+  // The same bytes again, in buffers of their own.
+  std::vector<uint16_t> query_copy = shared, key_copy = shared;
+  auto view = [](const std::vector<uint16_t>& buffer, DType dtype, int64_t rows) {
+    return TensorView{dtype, {1, rows, 16}, buffer.data(), static_cast<size_t>(rows) * 16 * 2};
+  };
+  for (const DType key_dtype : {DType::kFloat16, DType::kBFloat16})
+  for (const auto& [query_rows, key_rows] : {std::pair<int64_t, int64_t>{64, 8}, {8, 64}}) {
+    SCOPED_TRACE(absl::StrCat("key ", DTypeName(key_dtype), ", query rows ", query_rows,
+                              ", key rows ", key_rows));
+    AttentionArgs sharing, separate;  // the key's rows are a prefix of the query's, or not
+    sharing.query = view(shared, DType::kFloat16, query_rows);
+    sharing.key = view(shared, key_dtype, key_rows);
+    separate.query = view(query_copy, DType::kFloat16, query_rows);
+    separate.key = view(key_copy, key_dtype, key_rows);
+    for (AttentionArgs* a : {&sharing, &separate}) {
+      a->num_heads = 2;
+      a->need_weights = true;
+    }
+    absl::StatusOr<AttentionResult> got = engine_->Attend(sharing);
+    absl::StatusOr<AttentionResult> want = engine_->Attend(separate);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got->output.data, want->output.data);
+    EXPECT_EQ(got->weights.data, want->weights.data);
+  }
 }
 
 TEST_P(BatchTest, AnEmptyBatchIsFine) { EXPECT_TRUE(engine_->AttendBatch({}).empty()); }
