@@ -216,6 +216,7 @@ idle_sample() {
 failures=()
 trims_before=$(trims)
 start_mix "$warmup" warm
+sleep "$warmup"  # check_mix waits at most 30 s more for each tester
 check_mix warm
 [[ ${#failures[@]} -eq 0 ]] || server_fail "soak: the warm-up failed: ${failures[*]}"
 idle_sample warm "$trims_before"
