@@ -1,6 +1,8 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <cmath>
+#include <string>
 #include <deque>
 #include <optional>
 #include <functional>
@@ -49,9 +51,10 @@ absl::Status CheckTensorLimits(const AttentionArgs& args, const EngineOptions& o
   return absl::OkStatus();
 }
 
-// B*H*L*S against max_score_elements, and the output B*H*L*Dv against
-// max_tensor_elements.
-absl::Status CheckShapeLimits(const AttentionShape& s, const EngineOptions& o) {
+// B*H*L*S against max_score_elements when the call returns its weights, and
+// the output B*H*L*Dv against max_tensor_elements.
+absl::Status CheckShapeLimits(const AttentionShape& s, bool need_weights,
+                              const EngineOptions& o) {
   int64_t scores = 1;
   bool overflow = false;
   for (int64_t d : {s.batch, s.heads, s.query_len, s.key_len}) {
@@ -62,11 +65,17 @@ absl::Status CheckShapeLimits(const AttentionShape& s, const EngineOptions& o) {
   for (int64_t d : {s.batch, s.heads, s.query_len, s.value_dim}) {
     overflow |= __builtin_mul_overflow(outputs, d, &outputs);
   }
-  if (overflow || (o.max_score_elements != 0 && scores > o.max_score_elements)) {
+  if (overflow) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "query, key: B*H*L*S = ", s.batch, "*", s.heads, "*", s.query_len, "*", s.key_len,
-        overflow ? " overflows" : absl::StrCat(" = ", scores),
-        " exceeds the limit of ", o.max_score_elements, " score elements per request"));
+        " or B*H*L*Dv overflows"));
+  }
+  if (need_weights && o.max_score_elements != 0 && scores > o.max_score_elements) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "need_weights: B*H*L*S = ", s.batch, "*", s.heads, "*", s.query_len, "*", s.key_len,
+        " = ", scores, " exceeds the limit of ", o.max_score_elements,
+        " score elements per request that returns its weights (without weights any length "
+        "passes this limit)"));
   }
   if (o.max_tensor_elements != 0 && outputs > o.max_tensor_elements) {
     return absl::ResourceExhaustedError(absl::StrCat("output: ", outputs,
@@ -80,24 +89,62 @@ absl::Status CheckShapeLimits(const AttentionShape& s, const EngineOptions& o) {
 absl::Status CheckLimits(const AttentionArgs& args, const AttentionShape& s,
                          const EngineOptions& o) {
   ATTN_RETURN_IF_ERROR(CheckTensorLimits(args, o));
-  return CheckShapeLimits(s, o);
+  return CheckShapeLimits(s, args.need_weights, o);
+}
+
+std::string MiB(double bytes) {
+  return absl::StrCat(static_cast<double>(std::llround(bytes / (1 << 20) * 10)) / 10);
+}
+
+// A call's cost against max_request_bytes and max_request_flops.
+absl::Status CheckCost(const CallCost& c, const EngineOptions& o) {
+  if (o.max_request_bytes != 0 && c.bytes() > static_cast<double>(o.max_request_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: would allocate ", MiB(c.bytes()), " MiB (output ", MiB(c.output_bytes()),
+        ", weights ", MiB(c.weights_bytes()), ", working memory ", MiB(c.scratch_bytes),
+        "), over the limit of ", MiB(static_cast<double>(o.max_request_bytes)),
+        " MiB per request"));
+  }
+  if (o.max_request_flops != 0 && c.flops > o.max_request_flops) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: needs ", std::llround(c.flops / 1e9), " GFLOP of compute, over the limit of ",
+        std::llround(o.max_request_flops / 1e9), " GFLOP per request"));
+  }
+  return absl::OkStatus();
 }
 
 // The limits of a layer call, checked before its projections run (they cost
-// as much as the attention): its inputs as for raw attention, and the scores
-// and output of the attention between the projections, with the layer's
-// heads and the keys add_bias_kv / add_zero_attn append.
-absl::Status CheckLayerLimits(const AttentionArgs& args, const internal::LayerPlan& plan,
-                              const MultiheadConfig& c, const EngineOptions& o) {
+// as much as the attention): its inputs as for raw attention, the scores and
+// output of the attention between the projections, with the layer's heads
+// and the keys add_bias_kv / add_zero_attn append, and the whole call's cost.
+absl::StatusOr<CallCost> CheckLayerLimits(const AttentionArgs& args,
+                                          const internal::LayerPlan& plan,
+                                          const MultiheadAttention& layer, int threads,
+                                          const EngineOptions& o) {
+  const MultiheadConfig& c = layer.config();
   ATTN_RETURN_IF_ERROR(CheckTensorLimits(args, o));
   const bool batch_first = args.layout == Layout::kBatchFirst;
+  const int64_t extra_keys = (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
   AttentionShape s;
   s.batch = std::max(args.query.shape[batch_first ? 0 : 1], plan.kv_batch);
   s.heads = c.num_heads;
   s.query_len = args.query.shape[batch_first ? 1 : 0];
-  s.key_len = plan.kv_len + (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
+  s.key_len = plan.kv_len + extra_keys;
   s.value_dim = c.embed_dim / c.num_heads;
-  return CheckShapeLimits(s, o);
+  ATTN_RETURN_IF_ERROR(CheckShapeLimits(s, args.need_weights, o));
+  const CallCost cost = internal::LayerCallCost(layer, args, s.batch, s.query_len, plan.kv_len,
+                                                extra_keys, threads);
+  ATTN_RETURN_IF_ERROR(CheckCost(cost, o));
+  return cost;
+}
+
+// The limits of a raw call of resolved shape `s`, and its cost.
+absl::StatusOr<CallCost> CheckRawLimits(const AttentionArgs& args, const AttentionShape& s,
+                                        int threads, const EngineOptions& o) {
+  ATTN_RETURN_IF_ERROR(CheckLimits(args, s, o));
+  const CallCost cost = internal::RawCallCost(args, s, threads);
+  ATTN_RETURN_IF_ERROR(CheckCost(cost, o));
+  return cost;
 }
 
 }  // namespace
@@ -144,7 +191,8 @@ struct Engine::Impl {
 };
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
-  if (options.max_tensor_elements < 0 || options.max_score_elements < 0) {
+  if (options.max_tensor_elements < 0 || options.max_score_elements < 0 ||
+      options.max_request_bytes < 0 || !(options.max_request_flops >= 0)) {
     return absl::InvalidArgumentError("engine limits must be >= 0 (0 means no limit)");
   }
   if (options.threads < 0) {
@@ -175,6 +223,11 @@ Engine::~Engine() {
   impl_->worker.join();
 }
 
+int Engine::CostThreads() const {
+  return options_.threads > 0 ? options_.threads
+                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 std::string Engine::backend_name() const { return impl_->backend->name(); }
 std::string Engine::isa() const { return impl_->backend->isa(); }
 int Engine::threads() const { return impl_->backend->threads(); }
@@ -184,21 +237,13 @@ absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const 
   return std::move(AttendBatch({&call, 1}).front());
 }
 
-absl::StatusOr<double> Engine::Validate(const EngineCall& call) const {
+absl::StatusOr<CallCost> Engine::Validate(const EngineCall& call) const {
   if (call.layer != nullptr) {
     ATTN_ASSIGN_OR_RETURN(internal::LayerPlan plan, internal::PlanLayer(*call.layer, *call.args));
-    const MultiheadConfig& c = call.layer->config();
-    ATTN_RETURN_IF_ERROR(CheckLayerLimits(*call.args, plan, c, options_));
-    const double e = static_cast<double>(c.embed_dim);
-    const double kdim = c.kdim > 0 ? c.kdim : e, vdim = c.vdim > 0 ? c.vdim : e;
-    const double projections =
-        2.0 * plan.q_rows * e * e * 2 + 2.0 * plan.kv_rows * (kdim + vdim) * e;
-    return projections + 2.0 * plan.q_rows * plan.kv_len * 2 * e;
+    return CheckLayerLimits(*call.args, plan, *call.layer, CostThreads(), options_);
   }
   ATTN_ASSIGN_OR_RETURN(AttentionShape shape, ResolveShape(*call.args));
-  ATTN_RETURN_IF_ERROR(CheckLimits(*call.args, shape, options_));
-  return 2.0 * shape.batch * shape.heads * shape.query_len * shape.key_len *
-         static_cast<double>(shape.query_dim + shape.value_dim);
+  return CheckRawLimits(*call.args, shape, CostThreads(), options_);
 }
 
 std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatch(
@@ -219,7 +264,7 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
   std::vector<std::optional<AttentionShape>> shapes(n);
   auto resolve = [&](const AttentionArgs& args) -> absl::StatusOr<AttentionShape> {
     ATTN_ASSIGN_OR_RETURN(AttentionShape shape, ResolveShape(args));
-    ATTN_RETURN_IF_ERROR(CheckLimits(args, shape, options_));
+    ATTN_RETURN_IF_ERROR(CheckRawLimits(args, shape, CostThreads(), options_).status());
     return shape;
   };
   // Validation runs on the caller's thread; only work reaches the compute thread.
@@ -228,7 +273,8 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       absl::StatusOr<internal::LayerPlan> plan = internal::PlanLayer(*calls[i].layer, *calls[i].args);
       absl::Status limits = plan.status();
       if (plan.ok()) {
-        limits = CheckLayerLimits(*calls[i].args, *plan, calls[i].layer->config(), options_);
+        limits = CheckLayerLimits(*calls[i].args, *plan, *calls[i].layer, CostThreads(), options_)
+                     .status();
       }
       if (limits.ok()) {
         plans[i] = std::move(plan).value();

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "engine/attention.h"
+#include "engine/cost.h"
 
 namespace attention {
 
@@ -32,8 +33,16 @@ struct EngineOptions {
   int threads = 0;
   // Largest element count of any one input tensor; 0 means no limit.
   int64_t max_tensor_elements = int64_t{1} << 28;
-  // Largest B*H*L*S of one call; 0 means no limit.
+  // Largest B*H*L*S of one call that returns its weights (the scores are
+  // then held whole); 0 means no limit. Without weights the scores are
+  // computed in blocks and never held, so any length passes this limit.
   int64_t max_score_elements = int64_t{1} << 28;
+  // Most memory one call may allocate (CallCost::bytes: output, weights,
+  // working memory); 0 means no limit.
+  int64_t max_request_bytes = int64_t{1} << 30;
+  // Most work one call may take (CallCost::flops), so that no single call
+  // holds the cores for minutes (2e12 is some 10-20 s here); 0 means no limit.
+  double max_request_flops = 2e12;
 };
 
 // Computes attention. Thread-safe: Attend may be called from many threads;
@@ -57,9 +66,9 @@ class Engine {
   // limits too: its inputs, and the scores and output of the attention
   // between its projections). Masks of a layer call are checked once its
   // projections exist, so only by AttendBatch.
-  // Returns roughly how many floating-point operations the call's matmuls
-  // take, by which a scheduler can tell a small call from a large one.
-  absl::StatusOr<double> Validate(const EngineCall& call) const;
+  // Returns the call's cost (engine/cost.h), by which a scheduler can tell a
+  // small call from a large one and a server the size of its answer.
+  absl::StatusOr<CallCost> Validate(const EngineCall& call) const;
 
   // Runs several calls as one engine call (dynamic batching): they share each
   // pass over the compute threads, while every call is split into work exactly
@@ -85,6 +94,9 @@ class Engine {
 
  private:
   struct Impl;
+  // The threads a call's cost counts buffers for: the configured ones, the
+  // same for every backend, so that every backend refuses the same calls.
+  int CostThreads() const;
   Engine(const EngineOptions& options, std::unique_ptr<Impl> impl);
   std::vector<absl::StatusOr<AttentionResult>> Batch(absl::Span<const EngineCall> calls,
                                                      bool on_this_thread) const;

@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "engine/backend.h"
+#include "engine/cost.h"
 #include "engine/half.h"
 #include "engine/internal.h"
 #include "engine/kernels.h"
@@ -820,11 +821,7 @@ class OneDnnBackend final : public ComputeBackend {
   std::vector<absl::StatusOr<AttentionResult>> RunBatch(
       absl::Span<const BackendCall> calls) override {
     double flops = 0;
-    for (const BackendCall& call : calls) {
-      const AttentionShape& sh = call.shape;
-      flops += 2.0 * sh.batch * sh.heads * sh.query_len * sh.key_len *
-               static_cast<double>(sh.query_dim + sh.value_dim);
-    }
+    for (const BackendCall& call : calls) flops += RawCallCost(*call.args, call.shape, 1).flops;
     const int threads = UseThreadsFor(flops);
     const size_t n = calls.size();
     std::vector<absl::StatusOr<AttentionResult>> results(n);

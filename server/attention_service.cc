@@ -142,6 +142,25 @@ absl::StatusOr<const Model*> AttentionServiceImpl::FindModel(absl::string_view n
   return model;
 }
 
+absl::Status AttentionServiceImpl::CheckAnswerSize(const CallCost& cost,
+                                                   v1::Tensor::DType output_dtype) const {
+  // The answer's tensors in their wire dtype, and room for its other fields.
+  const double element_bytes = output_dtype == v1::Tensor::BFLOAT16 ||
+                                       output_dtype == v1::Tensor::FLOAT16
+                                   ? 2
+                                   : 4;
+  constexpr double kHeadBytes = 4096;
+  const double output = cost.output_elements * element_bytes;
+  const double weights = cost.weights_elements * element_bytes;
+  const double answer = output + weights + kHeadBytes;
+  if (answer <= static_cast<double>(options_.max_message_bytes)) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "answer: ", static_cast<int64_t>(answer), " bytes (output ",
+      static_cast<int64_t>(output), ", weights ", static_cast<int64_t>(weights),
+      ") would exceed the largest message the server sends, ", options_.max_message_bytes,
+      " bytes (--max_message_mb)", weights > 0 ? "; ask without need_weights" : ""));
+}
+
 absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerContext& context,
                                                   const v1::AttendRequest& request) const {
   // A caller gone before its request was even admitted is work not done, the
@@ -162,9 +181,10 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
   ATTN_ASSIGN_OR_RETURN(job.request, ToEngineRequest(request));
   AttentionArgs& args = job.request->args;
   // Refused before admission: a bad request takes no queue slot.
-  ATTN_ASSIGN_OR_RETURN(const double flops,
+  ATTN_ASSIGN_OR_RETURN(const CallCost cost,
                         engine_->Validate({&args, job.model ? job.model->layer.get() : nullptr}));
-  job.inline_when_idle = flops <= kInlineMaxFlops;
+  ATTN_RETURN_IF_ERROR(CheckAnswerSize(cost, job.request->output_dtype));
+  job.inline_when_idle = cost.flops <= kInlineMaxFlops;
   job.max_batch_size = options_.max_batch_size;
   job.max_queue_delay = absl::Microseconds(options_.max_queue_delay_us);
   if (job.model != nullptr) {
@@ -440,6 +460,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   limits->set_max_tensor_elements(options.max_tensor_elements);
   limits->set_max_score_elements(options.max_score_elements);
   limits->set_max_queue(options_.max_queue);
+  limits->set_max_request_bytes(options.max_request_bytes);
+  limits->set_max_request_gflop(options.max_request_flops / 1e9);
   for (int kind = v1::Score::Kind_MIN; kind <= v1::Score::Kind_MAX; ++kind) {
     if (v1::Score::Kind_IsValid(kind)) {
       response->add_supported_scores(static_cast<v1::Score::Kind>(kind));

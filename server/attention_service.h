@@ -112,6 +112,10 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   void CallsEnded(int64_t n) const;
   // The UNAVAILABLE refusing new calls, and stream requests, once draining.
   static absl::Status DrainingError();
+  // RESOURCE_EXHAUSTED, with the numbers, when the answer of a call of `cost`
+  // would exceed the largest message the server sends: refused before
+  // compute rather than computed and then not sent.
+  absl::Status CheckAnswerSize(const CallCost& cost, v1::Tensor::DType output_dtype) const;
   // Validates and converts `request` into a job whose `done` is still unset.
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
                               const v1::AttendRequest& request) const;

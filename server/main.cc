@@ -33,7 +33,14 @@ ABSL_FLAG(int64_t, max_message_mb, 256, "Largest request or response message, in
 ABSL_FLAG(int64_t, max_tensor_elements, attention::EngineOptions().max_tensor_elements,
           "Largest element count of any one tensor in a request; 0 means no limit");
 ABSL_FLAG(int64_t, max_score_elements, attention::EngineOptions().max_score_elements,
-          "Largest B*H*L*S of one request; 0 means no limit");
+          "Largest B*H*L*S of one request that returns its weights (without weights the "
+          "scores are never held whole); 0 means no limit");
+ABSL_FLAG(int64_t, max_request_mb, attention::EngineOptions().max_request_bytes >> 20,
+          "Most memory one request may make the engine allocate (output, weights, working "
+          "memory), in MiB; 0 means no limit");
+ABSL_FLAG(double, max_request_gflop, attention::EngineOptions().max_request_flops / 1e9,
+          "Most compute one request may take, in GFLOP (a multiply-add counts 2; an additive "
+          "score's tanh counts per hidden unit); 0 means no limit");
 ABSL_FLAG(std::string, model_repository, ATTENTION_DEFAULT_MODEL_REPOSITORY,
           "Folder of model folders (config.pbtxt + weights.safetensors) to serve; empty for "
           "none");
@@ -163,6 +170,17 @@ int main(int argc, char** argv) {
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.engine.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   options.engine.max_score_elements = absl::GetFlag(FLAGS_max_score_elements);
+  const int64_t max_request_mb = absl::GetFlag(FLAGS_max_request_mb);
+  const double max_request_gflop = absl::GetFlag(FLAGS_max_request_gflop);
+  if (max_request_mb < 0 || max_request_mb > (int64_t{1} << 40) || !(max_request_gflop >= 0)) {
+    std::fprintf(stderr,
+                 "attention_server: --max_request_mb=%lld and --max_request_gflop=%g: want 0 (no "
+                 "limit) or more\n",
+                 static_cast<long long>(max_request_mb), max_request_gflop);
+    return 1;
+  }
+  options.engine.max_request_bytes = max_request_mb << 20;
+  options.engine.max_request_flops = max_request_gflop * 1e9;
   absl::StatusOr<std::unique_ptr<attention::AttentionServer>> server =
       attention::AttentionServer::Create(options);
   if (!server.ok()) {

@@ -296,11 +296,39 @@ TEST_F(EngineTest, RejectsShapeWhoseProductOverflows) {
   EXPECT_THAT(engine_->Attend(a), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("query: shape")));
 }
 
-TEST_F(EngineTest, EnforcesTheScoreElementLimit) {
+TEST_F(EngineTest, EnforcesTheScoreElementLimitOnCallsThatReturnWeights) {
   auto small = Engine::Create(EngineOptions{.max_score_elements = 10});
   ASSERT_TRUE(small.ok());
-  EXPECT_THAT((*small)->Attend(Basic()),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("B*H*L*S = 2*2*3*5")));
+  AttentionArgs with_weights = Basic();
+  with_weights.need_weights = true;
+  EXPECT_THAT((*small)->Attend(with_weights),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("need_weights: B*H*L*S = 2*2*3*5")));
+  // Without weights the scores are computed in blocks and never held.
+  AttentionArgs without = Basic();
+  without.need_weights = false;
+  EXPECT_TRUE((*small)->Attend(without).ok());
+}
+
+TEST_F(EngineTest, EnforcesTheRequestMemoryAndComputeLimits) {
+  AttentionArgs args = Basic();
+  args.need_weights = true;
+  absl::StatusOr<CallCost> cost = engine_->Validate({&args, nullptr});
+  ASSERT_TRUE(cost.ok()) << cost.status();
+  EXPECT_GT(cost->flops, 0);
+  EXPECT_GT(cost->weights_elements, 0);
+
+  auto no_memory = Engine::Create(EngineOptions{.max_request_bytes = 1024});
+  ASSERT_TRUE(no_memory.ok());
+  EXPECT_THAT((*no_memory)->Attend(args),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("MiB per request")));
+  auto no_compute = Engine::Create(EngineOptions{.max_request_flops = 10});
+  ASSERT_TRUE(no_compute.ok());
+  EXPECT_THAT((*no_compute)->Attend(args),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("GFLOP per request")));
+  EXPECT_THAT(Engine::Create(EngineOptions{.max_request_bytes = -1}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(">= 0")));
 }
 
 TEST_F(EngineTest, EnforcesTheTensorElementLimit) {

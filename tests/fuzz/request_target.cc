@@ -107,12 +107,12 @@ void Request(const uint8_t* data, size_t size) {
   if (!converted.ok()) return;
   const EngineCall call{&(*converted)->args, layer};
 
-  absl::StatusOr<double> flops = f.onednn->Validate(call);
-  absl::StatusOr<double> reference_flops = f.reference->Validate(call);
-  FUZZ_CHECK(flops.status().code() == reference_flops.status().code(),
-             "Validate: onednn %s, reference %s", flops.status().ToString().c_str(),
-             reference_flops.status().ToString().c_str());
-  if (!flops.ok()) return;
+  absl::StatusOr<CallCost> cost = f.onednn->Validate(call);
+  absl::StatusOr<CallCost> reference_cost = f.reference->Validate(call);
+  FUZZ_CHECK(cost.status().code() == reference_cost.status().code(),
+             "Validate: onednn %s, reference %s", cost.status().ToString().c_str(),
+             reference_cost.status().ToString().c_str());
+  if (!cost.ok()) return;
 
   absl::StatusOr<AttentionResult> got = RunTwice(*f.onednn, call);
   absl::StatusOr<AttentionResult> want = RunTwice(*f.reference, call);

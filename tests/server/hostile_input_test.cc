@@ -39,6 +39,7 @@
 namespace attention::testing {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using Change = std::function<void(v1::AttendRequest&)>;
 
@@ -179,13 +180,14 @@ std::vector<HostileCase> HostileCases() {
          *r.mutable_query() = Ramp({2, 1024, 4});
        },
        kExhausted, "query: 8192 elements exceed the limit of 4096 elements per tensor"},
-      {"ScoresOverTheScoreLimit",
+      {"WeightsOverTheScoreLimit",
        [](R r) {
          *r.mutable_query() = Ramp({1, 300, 4});
          *r.mutable_key() = Ramp({1, 300, 4});
          *r.mutable_value() = Ramp({1, 300, 6});
+         r.set_need_weights(true);
        },
-       kExhausted, "query, key: B*H*L*S = 1*1*300*300 = 90000 exceeds the limit of 65536"},
+       kExhausted, "need_weights: B*H*L*S = 1*1*300*300 = 90000 exceeds the limit of 65536"},
       {"OutputOverTheTensorLimit",
        [](R r) {
          *r.mutable_query() = Ramp({1, 4, 4});
@@ -810,6 +812,110 @@ TEST_F(HostileServerTest, ANanInAModelInputMakesThatRowNanAndNoOther) {
   ASSERT_EQ(got.size(), 3u * 64);
   for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(std::isnan(got[i]), i / 64 == 1) << i;
   ExpectServing(client());
+}
+
+// --- every request's cost bounded before work starts -----------------------------
+
+// The engine's compute counted by the metrics: a refused call adds nothing.
+double ComputedCalls(AttentionServer& server) {
+  const std::string text = server.metrics().RenderPrometheus();
+  const std::string name = "\nattention_latency_seconds_count{stage=\"compute\",method=\"Attend\"} ";
+  const size_t at = text.find(name);
+  return at == std::string::npos ? 0 : std::stod(text.substr(at + name.size()));
+}
+
+// Default limits but 1 MiB messages and 1 GFLOP per request.
+class CostLimitTest : public ServerSuite<> {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options;
+    options.max_message_mb = 1;
+    options.engine.max_request_flops = 1e9;
+    StartSuiteServer(options);
+  }
+};
+
+TEST_F(CostLimitTest, AnAnswerOverTheMessageLimitIsRefusedBeforeCompute) {
+  // L = S = 512 with D = 1: 262144 weights, 1 MiB as float32, with the output
+  // over the 1 MiB the server sends; the request itself is 6 KiB.
+  v1::AttendRequest request;
+  *request.mutable_query() = Ramp({1, 512, 1});
+  request.set_need_weights(true);
+  const double computed = ComputedCalls(server_->server());
+  EXPECT_THAT(client().Attend(request),
+              StatusIs(kExhausted, AllOf(HasSubstr("answer: 1054720 bytes (output 2048, weights "
+                                                   "1048576)"),
+                                         HasSubstr("1048576 bytes (--max_message_mb)"),
+                                         HasSubstr("without need_weights"))));
+  EXPECT_EQ(ComputedCalls(server_->server()), computed) << "the refused call was computed";
+  request.set_need_weights(false);
+  EXPECT_THAT(client().Attend(request), IsOk());
+}
+
+// An additive score's work grows with its hidden size, not only with the
+// shapes of q, k and v: the call that stalled a server for 11 s counted as
+// small before.
+TEST_F(CostLimitTest, TheComputeLimitCountsAnAdditiveScoresHiddenSize) {
+  auto additive = [](int64_t hidden) {
+    v1::AttendRequest r;
+    *r.mutable_query() = Ramp({1, 64, 4});
+    v1::Score* s = r.mutable_score();
+    s->set_kind(v1::Score::ADDITIVE);
+    *s->mutable_w_q() = Ramp({hidden, 4});
+    *s->mutable_w_k() = Ramp({hidden, 4});
+    *s->mutable_w_v() = Ramp({hidden});
+    return r;
+  };
+  EXPECT_THAT(client().Attend(additive(64)), IsOk());
+  // 64 * 64 pairs * 8192 hidden units: over 1 GFLOP.
+  EXPECT_THAT(client().Attend(additive(8192)),
+              StatusIs(kExhausted, AllOf(HasSubstr("request: needs "),
+                                         HasSubstr("GFLOP of compute, over the limit of 1 GFLOP"))));
+}
+
+TEST_F(CostLimitTest, ServerInfoReportsTheLimits) {
+  absl::StatusOr<v1::ServerInfo> info = client().GetServerInfo();
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->limits().max_request_bytes(), EngineOptions().max_request_bytes);
+  EXPECT_EQ(info->limits().max_request_gflop(), 1);
+}
+
+// With default limits, long sequences without weights are answered: the
+// fused path never holds the L x S scores. Every key the same, so the scores
+// of a row are equal and the answer is the mean of the values, whatever the
+// query.
+TEST(LongSequenceTest, ThirtyTwoThousandKeysWithoutWeightsAreAnsweredByDefault) {
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start();
+  ASSERT_THAT(server, IsOk());
+  constexpr int64_t kLen = 32768, kDim = 64;
+  std::vector<float> query(kLen * kDim), key(kLen * kDim), value(kLen * kDim);
+  std::vector<double> mean(kDim, 0.0);
+  for (int64_t i = 0; i < kLen; ++i) {
+    for (int64_t d = 0; d < kDim; ++d) {
+      query[i * kDim + d] = static_cast<float>((i * 7 + d * 13) % 17) / 17.0f - 0.5f;
+      key[i * kDim + d] = static_cast<float>(d % 5) / 5.0f;
+      value[i * kDim + d] = static_cast<float>((i * 3 + d * 11) % 23) / 23.0f;
+      mean[d] += value[i * kDim + d] / kLen;
+    }
+  }
+  v1::AttendRequest request;
+  *request.mutable_query() = *client::MakeFloatTensor({1, kLen, kDim}, query);
+  *request.mutable_key() = *client::MakeFloatTensor({1, kLen, kDim}, key);
+  *request.mutable_value() = *client::MakeFloatTensor({1, kLen, kDim}, value);
+  absl::StatusOr<v1::AttendResponse> answer = (*server)->client().Attend(request);
+  ASSERT_THAT(answer, IsOk());
+  absl::StatusOr<std::vector<float>> output = client::ReadFloats(answer->output());
+  ASSERT_THAT(output, IsOk());
+  ASSERT_EQ(output->size(), query.size());
+  for (int64_t i = 0; i < kLen; i += 4099) {
+    for (int64_t d = 0; d < kDim; ++d) {
+      ASSERT_NEAR((*output)[i * kDim + d], mean[d], 1e-4) << "row " << i << ", dim " << d;
+    }
+  }
+  // The same call with its weights would hold 2^30 scores: refused before compute.
+  request.set_need_weights(true);
+  EXPECT_THAT((*server)->client().Attend(request),
+              StatusIs(kExhausted, HasSubstr("need_weights: B*H*L*S = 1*1*32768*32768")));
 }
 
 }  // namespace

@@ -273,13 +273,15 @@ TEST(ValidationLimitsTest, RejectsTensorOverTheElementLimit) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("query:")));
 }
 
-TEST(ValidationLimitsTest, RejectsScoresOverTheScoreLimit) {
+TEST(ValidationLimitsTest, RejectsWeightsOverTheScoreLimit) {
   ServerOptions options;
   options.engine.max_score_elements = 16;
   absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start(options);
   ASSERT_THAT(server, IsOk());
-  EXPECT_THAT(AttendWith((*server)->client(), [](v1::AttendRequest&) {}),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("query, key:")));
+  EXPECT_THAT(
+      AttendWith((*server)->client(), [](v1::AttendRequest& r) { r.set_need_weights(true); }),
+      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("need_weights: B*H*L*S")));
+  EXPECT_THAT(AttendWith((*server)->client(), [](v1::AttendRequest&) {}), IsOk());
 }
 
 }  // namespace
