@@ -160,6 +160,11 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
                                                       options.tls_client_ca_file));
   if (!options.auth_token_file.empty()) {
     ATTN_ASSIGN_OR_RETURN(impl->auth, server::TokenAuth::FromFile(options.auth_token_file));
+    if (options.tls_cert_file.empty()) {
+      spdlog::warn(
+          "--auth_token_file without --tls_cert: callers' bearer tokens cross the network in "
+          "plaintext; serve TLS, or keep the server behind a proxy that does");
+    }
   }
   if (options.metrics_port >= 0) {
     ATTN_ASSIGN_OR_RETURN(

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "server/heap_trimmer.h"
+#include "server/logging.h"
 #include "server/metrics.h"
 #include "tests/safetensors_writer.h"
 #include "tests/server/test_server.h"
@@ -104,6 +105,34 @@ class TlsTest : public ::testing::Test {
   }
   std::unique_ptr<TlsCerts> certs_;
 };
+
+TEST_F(TlsTest, ATokenWithoutTlsIsWarnedAboutAtStartup) {
+  const std::string dir = MakeTempDir("auth_warning");
+  WriteFile(dir + "/token", "s3cret-token\n");
+  ASSERT_THAT(server::InitLogging("info"), IsOk());
+  ServerOptions plaintext;
+  plaintext.auth_token_file = dir + "/token";
+  ::testing::internal::CaptureStderr();
+  {
+    auto server = TestServer::Start(plaintext);
+    ASSERT_THAT(server, IsOk());
+  }
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("warning --auth_token_file without --tls_cert: callers' bearer tokens "
+                        "cross the network in plaintext"));
+
+  ServerOptions tls = plaintext;
+  tls.tls_cert_file = certs_->server_cert();
+  tls.tls_key_file = certs_->server_key();
+  client::ClientOptions tls_client;
+  tls_client.tls_ca_file = certs_->ca_cert();
+  ::testing::internal::CaptureStderr();
+  {
+    auto server = TestServer::Start(tls, tls_client);
+    ASSERT_THAT(server, IsOk());
+  }
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(), Not(HasSubstr("--auth_token_file")));
+}
 
 TEST_F(TlsTest, ServesTlsAndRefusesPlaintext) {
   ServerOptions options;
