@@ -3,6 +3,7 @@
 
 // The interface the engine's compute thread drives. Engine-private.
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@ namespace attention::internal {
 struct BackendCall {
   const AttentionArgs* args = nullptr;
   AttentionShape shape;  // from ResolveShape(*args)
+  const std::function<absl::Status()>* interrupt = nullptr;  // EngineCall::interrupt
 };
 
 // y[rows x out] = x[rows x in] w^T + bias: torch's Linear, w is [out, in].

@@ -318,7 +318,8 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
     std::vector<size_t> index;
     for (size_t i = 0; i < n; ++i) {
       if (!shapes[i]) continue;
-      work.push_back({plans[i] ? &plans[i]->inner : calls[i].args, *shapes[i]});
+      work.push_back({plans[i] ? &plans[i]->inner : calls[i].args, *shapes[i],
+                      calls[i].interrupt});
       index.push_back(i);
     }
     std::vector<absl::StatusOr<AttentionResult>> computed = backend.RunBatch(work);

@@ -2,6 +2,7 @@
 #define ATTENTION_ENGINE_ENGINE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,12 @@ class MultiheadAttention;
 struct EngineCall {
   const AttentionArgs* args = nullptr;
   const MultiheadAttention* layer = nullptr;
+  // Polled while the call computes, between its work items (a block of 64
+  // query rows of one head: milliseconds at most), from any compute thread:
+  // a non-OK status stops the call's remaining work and becomes its result
+  // (a server's CANCELLED when the caller left, DEADLINE_EXCEEDED when its
+  // deadline passed). May be null. The reference backend polls between calls.
+  const std::function<absl::Status()>* interrupt = nullptr;
 };
 
 enum class Backend {

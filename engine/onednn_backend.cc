@@ -12,6 +12,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -845,12 +846,21 @@ class OneDnnBackend final : public ComputeBackend {
       for (int64_t i = 0; i < layouts[c].items; ++i) items.push_back({c, i});
     }
     const int64_t total = static_cast<int64_t>(items.size());
+    // Set once a call has failed or been interrupted: its other items are skipped.
+    std::unique_ptr<std::atomic<bool>[]> stopped(new std::atomic<bool>[n]);
+    for (size_t c = 0; c < n; ++c) stopped[c] = false;
     contexts_.ForEachItem(threads, total, [&](ThreadContext& t, int64_t k) {
       const Item& item = items[k];
-      absl::Status status = Guarded([&] {
-        RunItem(problems[item.call], layouts[item.call], item.index, t, *results[item.call]);
-      });
+      if (stopped[item.call].load(std::memory_order_relaxed)) return;
+      const std::function<absl::Status()>* interrupt = calls[item.call].interrupt;
+      absl::Status status = interrupt ? (*interrupt)() : absl::OkStatus();
+      if (status.ok()) {
+        status = Guarded([&] {
+          RunItem(problems[item.call], layouts[item.call], item.index, t, *results[item.call]);
+        });
+      }
       if (!status.ok()) {
+        stopped[item.call] = true;
 #pragma omp critical
         if (results[item.call].ok()) results[item.call] = status;
       }

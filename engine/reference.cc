@@ -295,7 +295,11 @@ class ReferenceBackend final : public ComputeBackend {
   std::vector<absl::StatusOr<AttentionResult>> RunBatch(
       absl::Span<const BackendCall> calls) override {
     std::vector<absl::StatusOr<AttentionResult>> results;
-    for (const BackendCall& c : calls) results.push_back(ReferenceAttend(*c.args, c.shape));
+    for (const BackendCall& c : calls) {
+      absl::Status interrupted = c.interrupt ? (*c.interrupt)() : absl::OkStatus();
+      results.push_back(interrupted.ok() ? ReferenceAttend(*c.args, c.shape)
+                                         : absl::StatusOr<AttentionResult>(interrupted));
+    }
     return results;
   }
 

@@ -114,7 +114,8 @@ const std::vector<double>& Metrics::BatchSizeBuckets() {
 
 Metrics::Metrics()
     : batch_size_(BatchSizeBuckets().size()),
-      not_computed_{{"cancelled", 0}, {"deadline_exceeded", 0}} {}
+      not_computed_{{"cancelled", 0}, {"deadline_exceeded", 0}},
+      interrupted_{{"cancelled", 0}, {"deadline_exceeded", 0}} {}
 
 void Metrics::Observe(const std::vector<double>& bounds, double value, Histogram* histogram) {
   // The first bucket whose bound is >= value; past the end is +Inf.
@@ -158,6 +159,12 @@ void Metrics::CountNotComputed(absl::string_view reason) {
   std::string key(reason);
   absl::MutexLock lock(&mu_);
   ++not_computed_[std::move(key)];
+}
+
+void Metrics::CountInterrupted(absl::string_view reason) {
+  std::string key(reason);
+  absl::MutexLock lock(&mu_);
+  ++interrupted_[std::move(key)];
 }
 
 namespace {
@@ -242,6 +249,14 @@ std::string Metrics::RenderPrometheus() const {
                &out);
   for (const auto& [reason, count] : not_computed_) {
     AppendSample("attention_not_computed_total", RenderLabels({{"reason", reason}}),
+                 absl::StrCat(count), &out);
+  }
+  AppendHeader("attention_interrupted_total", "counter",
+               "Requests whose compute was stopped part way, freeing the cores, because their "
+               "call was cancelled or past its deadline.",
+               &out);
+  for (const auto& [reason, count] : interrupted_) {
+    AppendSample("attention_interrupted_total", RenderLabels({{"reason", reason}}),
                  absl::StrCat(count), &out);
   }
   return out;

@@ -29,6 +29,7 @@ namespace attention::server {
 //   attention_malloc_trims_total                           counter (the process's)
 //   attention_malloc_trim_seconds_total                    counter (the process's)
 //   attention_not_computed_total{reason}                   counter
+//   attention_interrupted_total{reason}                    counter
 // Label values are free text (escaped when rendered). Thread-safe; recording
 // takes one short mutex hold (gauges are lock-free).
 class Metrics {
@@ -63,6 +64,9 @@ class Metrics {
   // A request dropped before compute because its call was over; `reason` is
   // "cancelled" or "deadline_exceeded" (both are rendered from the start, at 0).
   void CountNotComputed(absl::string_view reason);
+  // A request whose compute was stopped part way because its call was over;
+  // `reason` as for CountNotComputed.
+  void CountInterrupted(absl::string_view reason);
 
   // Every metric with # HELP and # TYPE lines; series sorted by labels.
   std::string RenderPrometheus() const;
@@ -84,6 +88,7 @@ class Metrics {
   std::map<StageKey, Histogram> latency_ ABSL_GUARDED_BY(mu_);
   Histogram batch_size_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> not_computed_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> interrupted_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> queue_depth_{0};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<uint64_t> calls_started_{0};

@@ -1,6 +1,9 @@
 #include "server/scheduler.h"
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -147,6 +150,13 @@ void Scheduler::Loop() {
   }
 }
 
+namespace {
+
+// How far before a job's deadline a cancellation counts as the deadline's.
+constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(20);
+
+}  // namespace
+
 void Scheduler::Run(std::deque<Job>& batch) {
   const absl::Time start = absl::Now();
   std::vector<Job*> live;
@@ -171,6 +181,32 @@ void Scheduler::Run(std::deque<Job>& batch) {
   }
   if (calls.empty()) return;
   if (hooks_.batch_size) hooks_.batch_size(static_cast<int32_t>(calls.size()));
+  // Polled between work items while a job computes: a caller that left, or
+  // whose deadline passed, frees the cores within one work item.
+  std::vector<std::function<absl::Status()>> interrupts(live.size());
+  std::unique_ptr<std::atomic<const char*>[]> interrupted(
+      new std::atomic<const char*>[live.size()]);
+  for (size_t i = 0; i < live.size(); ++i) {
+    interrupted[i] = nullptr;
+    interrupts[i] = [job = live[i], reason = &interrupted[i]]() -> absl::Status {
+      const bool cancelled = job->cancelled && job->cancelled();
+      // gRPC cancels a call whose deadline passed, by its own timer, which
+      // can fire a little before job->deadline reads as passed here: the
+      // deadline is then the reason.
+      if (absl::Now() >= job->deadline - (cancelled ? kDeadlineSlack : absl::ZeroDuration())) {
+        *reason = "deadline_exceeded";
+        return absl::DeadlineExceededError("deadline passed while the call computed; its work "
+                                           "was stopped");
+      }
+      if (cancelled) {
+        *reason = "cancelled";
+        return absl::CancelledError("the call was cancelled while it computed; its work was "
+                                    "stopped");
+      }
+      return absl::OkStatus();
+    };
+    calls[i].interrupt = &interrupts[i];
+  }
   // The dispatcher is the server's one source of engine work: it computes
   // itself rather than handing each batch to the engine's thread and back.
   std::vector<absl::StatusOr<AttentionResult>> results = engine_->AttendBatchOnThisThread(calls);
@@ -178,6 +214,8 @@ void Scheduler::Run(std::deque<Job>& batch) {
   timing.compute_us = absl::ToInt64Microseconds(absl::Now() - start);
   timing.batch_size = static_cast<int32_t>(calls.size());
   for (size_t i = 0; i < live.size(); ++i) {
+    const char* reason = interrupted[i].load();
+    if (reason != nullptr && !results[i].ok() && hooks_.interrupted) hooks_.interrupted(reason);
     timing.queue_us = absl::ToInt64Microseconds(start - live[i]->enqueued);
     live[i]->done(std::move(results[i]), timing);
   }

@@ -52,6 +52,8 @@ struct SchedulerHooks {
   std::function<void(int64_t depth)> queue_depth;
   std::function<void(int32_t size)> batch_size;
   std::function<void(const char* reason)> not_computed;  // "cancelled", "deadline_exceeded"
+  // A job whose compute was stopped part way (Job::cancelled, Job::deadline).
+  std::function<void(const char* reason)> interrupted;  // "cancelled", "deadline_exceeded"
 };
 
 // Dynamic batching with admission control: a bounded FIFO of jobs and one

@@ -188,6 +188,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   hooks.queue_depth = [metrics](int64_t depth) { metrics->SetQueueDepth(depth); };
   hooks.batch_size = [metrics](int32_t size) { metrics->ObserveBatchSize(size); };
   hooks.not_computed = [metrics](const char* reason) { metrics->CountNotComputed(reason); };
+  hooks.interrupted = [metrics](const char* reason) { metrics->CountInterrupted(reason); };
   impl->scheduler =
       std::make_unique<server::Scheduler>(impl->engine.get(), options.max_queue, std::move(hooks));
   server::ServiceOptions service_options;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <limits>
 #include <memory>
 #include <ostream>
@@ -916,6 +917,43 @@ TEST(LongSequenceTest, ThirtyTwoThousandKeysWithoutWeightsAreAnsweredByDefault) 
   request.set_need_weights(true);
   EXPECT_THAT((*server)->client().Attend(request),
               StatusIs(kExhausted, HasSubstr("need_weights: B*H*L*S = 1*1*32768*32768")));
+}
+
+// One counter of a server's metrics by its exact series name ("" if absent).
+double Counter(AttentionServer& server, const std::string& series) {
+  const std::string text = server.metrics().RenderPrometheus();
+  const size_t at = text.find("\n" + series + " ");
+  return at == std::string::npos ? -1 : std::stod(text.substr(at + series.size() + 2));
+}
+
+// A call whose deadline passes while it computes stops there: its work is
+// dropped between work items and the cores are free for the next call.
+// Self-attention over 32768 positions takes seconds; its request is 8 MiB.
+TEST(LongSequenceTest, ACallPastItsDeadlineStopsComputing) {
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start();
+  ASSERT_THAT(server, IsOk());
+  client::ClientOptions hasty;
+  hasty.target = (*server)->server().address();
+  hasty.timeout = absl::Seconds(1);
+  absl::StatusOr<std::unique_ptr<client::AttentionClient>> caller =
+      client::AttentionClient::Create(hasty);
+  ASSERT_THAT(caller, IsOk());
+  v1::AttendRequest request;
+  *request.mutable_query() = Ramp({1, 32768, 64});
+  const absl::Time start = absl::Now();
+  EXPECT_THAT((*caller)->Attend(request), StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));
+  // The server stopped the work (it did not finish it and drop the answer).
+  const std::string interrupted = R"(attention_interrupted_total{reason="deadline_exceeded"})";
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (Counter((*server)->server(), interrupted) < 1 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(Counter((*server)->server(), interrupted), 1)
+      << (*server)->server().metrics().RenderPrometheus();
+  EXPECT_EQ(Counter((*server)->server(), R"(attention_requests_total{method="Attend",model="",code="OK"})"), -1);
+  EXPECT_THAT((*server)->client().Attend(ValidRequest()), IsOk());
+  std::cerr << "interrupted call and the next one answered " << absl::Now() - start
+            << " after the first was sent\n";
 }
 
 }  // namespace

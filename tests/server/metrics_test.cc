@@ -233,6 +233,7 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
                                   {"attention_malloc_trims_total", "counter"},
                                   {"attention_malloc_trim_seconds_total", "counter"},
                                   {"attention_not_computed_total", "counter"},
+                                  {"attention_interrupted_total", "counter"},
                               }));
   EXPECT_THAT(exposition.Value("attention_queue_depth"), Optional(0.0));
   EXPECT_THAT(exposition.Value("attention_in_flight"), Optional(0.0));

@@ -87,12 +87,17 @@ class SchedulerTest : public ::testing::Test {
     return job;
   }
 
-  // A job that holds the dispatcher until `release` is notified.
+  // A job that holds the dispatcher until `release` is notified. The
+  // scheduler asks whether a job was cancelled before its compute and again
+  // between its work items; the first time holds.
   Job Blocker(Outcome* out, absl::Notification* started, absl::Notification* release) {
     Job job = MakeJob(out);
-    job.cancelled = [started, release] {
-      started->Notify();
-      release->WaitForNotification();
+    auto first = std::make_shared<std::atomic<bool>>(true);
+    job.cancelled = [started, release, first] {
+      if (first->exchange(false)) {
+        started->Notify();
+        release->WaitForNotification();
+      }
       return false;
     };
     return job;
