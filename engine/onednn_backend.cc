@@ -846,9 +846,12 @@ class OneDnnBackend final : public ComputeBackend {
       for (int64_t i = 0; i < layouts[c].items; ++i) items.push_back({c, i});
     }
     const int64_t total = static_cast<int64_t>(items.size());
-    // Set once a call has failed or been interrupted: its other items are skipped.
+    // Set once a call has failed or been interrupted: its other items are
+    // skipped. The first failure of each call replaces its result once the
+    // pass is over, not during it: items already running write into it.
     std::unique_ptr<std::atomic<bool>[]> stopped(new std::atomic<bool>[n]);
     for (size_t c = 0; c < n; ++c) stopped[c] = false;
+    std::vector<absl::Status> failed(n);
     contexts_.ForEachItem(threads, total, [&](ThreadContext& t, int64_t k) {
       const Item& item = items[k];
       if (stopped[item.call].load(std::memory_order_relaxed)) return;
@@ -862,9 +865,12 @@ class OneDnnBackend final : public ComputeBackend {
       if (!status.ok()) {
         stopped[item.call] = true;
 #pragma omp critical
-        if (results[item.call].ok()) results[item.call] = status;
+        if (failed[item.call].ok()) failed[item.call] = status;
       }
     });
+    for (size_t c = 0; c < n; ++c) {
+      if (!failed[c].ok()) results[c] = failed[c];
+    }
     return results;
   }
 
