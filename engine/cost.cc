@@ -49,7 +49,7 @@ CallCost RawCallCost(const AttentionArgs& a, const AttentionShape& s, int thread
       cost.scratch_bytes += (B * H * L + B * Hk * S + 1) * hidden * 4;
       break;
     case ScoreKind::kNegEuclidean:
-      per_pair = 3 * Dk;
+      per_pair = kNegEuclideanFlopsPerDim * Dk;
       break;
     case ScoreKind::kBilinear:
       per_pair = 2 * Dk;

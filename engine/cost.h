@@ -37,11 +37,13 @@ struct CallCost {
 namespace internal {
 
 // Flop equivalents per (query, key) pair and hidden unit of an additive
-// score (an add, a tanh and a multiply-add, in scalar code), and per pair of
-// the online softmax (max, exp, sum, rescale). Measured against oneDNN's
-// matmul on this project's machine: see tests/bench/attention_bench.cc
-// (BM_CostModel) and docs.
+// score (an add, a tanh and a multiply-add), per pair and dimension of a
+// negative Euclidean score (scalar code), and per pair of the online softmax
+// (max, exp, sum, rescale): chosen so that every kind computes about as many
+// of the model's flops per second as a scaled-dot call does (README
+// "Admission control" has the figures).
 inline constexpr double kAdditiveFlopsPerHidden = 40;
+inline constexpr double kNegEuclideanFlopsPerDim = 10;
 inline constexpr double kSoftmaxFlopsPerScore = 10;
 
 // A raw attention call of resolved shape `s` computed on `threads` threads.
