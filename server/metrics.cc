@@ -243,22 +243,21 @@ std::string Metrics::RenderPrometheus() const {
                "Time spent giving the heap's free pages back to the system.", &out);
   AppendSample("attention_malloc_trim_seconds_total", "", absl::StrCat(trim.seconds), &out);
 
-  AppendHeader("attention_not_computed_total", "counter",
-               "Requests dropped before compute because their call was cancelled or past its "
-               "deadline.",
-               &out);
-  for (const auto& [reason, count] : not_computed_) {
-    AppendSample("attention_not_computed_total", RenderLabels({{"reason", reason}}),
-                 absl::StrCat(count), &out);
-  }
-  AppendHeader("attention_interrupted_total", "counter",
-               "Requests whose compute was stopped part way, freeing the cores, because their "
-               "call was cancelled or past its deadline.",
-               &out);
-  for (const auto& [reason, count] : interrupted_) {
-    AppendSample("attention_interrupted_total", RenderLabels({{"reason", reason}}),
-                 absl::StrCat(count), &out);
-  }
+  const auto by_reason = [&out](const char* name, const char* help,
+                                const std::map<std::string, uint64_t>& counts) {
+    AppendHeader(name, "counter", help, &out);
+    for (const auto& [reason, count] : counts) {
+      AppendSample(name, RenderLabels({{"reason", reason}}), absl::StrCat(count), &out);
+    }
+  };
+  by_reason("attention_not_computed_total",
+            "Requests dropped before compute because their call was cancelled or past its "
+            "deadline.",
+            not_computed_);
+  by_reason("attention_interrupted_total",
+            "Requests whose compute was stopped part way, freeing the cores, because their call "
+            "was cancelled or past its deadline.",
+            interrupted_);
   return out;
 }
 

@@ -3,11 +3,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -220,14 +222,6 @@ TEST(HeapTrimEndToEndTest, TheServerTrimsOnceItsCallsAreOver) {
   EXPECT_GE(m.at("attention_malloc_trims_total"), 1);
 }
 
-TEST(HeapTrimEndToEndTest, ANegativeIdleTimeIsRefused) {
-  ServerOptions options;
-  options.listen = "127.0.0.1:0";
-  options.malloc_trim_idle_seconds = -1;
-  EXPECT_THAT(AttentionServer::Create(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("malloc_trim_idle_seconds")));
-}
-
 // A caller cannot grow the metrics: names of models that are not registered
 // all count under one label.
 TEST(MetricsTest, UnknownModelNamesShareOneLabel) {
@@ -423,12 +417,18 @@ TEST(StreamLimitTest, ACallBeyondTheLimitWaitsUntilAnotherEnds) {
   EXPECT_TRUE(open[1]->Finish().ok());
 }
 
-TEST(StreamLimitTest, ANegativeLimitIsRefused) {
-  ServerOptions options;
-  options.listen = "127.0.0.1:0";
-  options.max_concurrent_streams = -1;
-  EXPECT_THAT(AttentionServer::Create(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_concurrent_streams")));
+TEST(ServerOptionsTest, NegativeLimitsAreRefusedNamingTheOption) {
+  const std::pair<const char*, std::function<void(ServerOptions&)>> cases[] = {
+      {"max_concurrent_streams", [](ServerOptions& o) { o.max_concurrent_streams = -1; }},
+      {"malloc_trim_idle_seconds", [](ServerOptions& o) { o.malloc_trim_idle_seconds = -1; }},
+  };
+  for (const auto& [option, set] : cases) {
+    ServerOptions options;
+    options.listen = "127.0.0.1:0";
+    set(options);
+    EXPECT_THAT(AttentionServer::Create(options),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(option)));
+  }
 }
 
 }  // namespace
