@@ -58,6 +58,8 @@ const Fixture& GetFixture() {
     options.backend = Backend::kReference;
     options.max_tensor_elements = 1 << 16;
     options.max_score_elements = 1 << 16;
+    options.max_request_flops = 1e8;
+    options.max_request_bytes = int64_t{64} << 20;
     f->engine = *Engine::Create(options);
     absl::StatusOr<StateDict> weights =
         ReadSafetensors(ATTENTION_MODELS_DIR "/demo/weights.safetensors");
