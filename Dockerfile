@@ -18,6 +18,7 @@ WORKDIR /src
 # Only what the binaries are built from, so edits elsewhere keep this layer cached.
 COPY CMakeLists.txt ./
 COPY proto/ proto/
+COPY common/ common/
 COPY engine/ engine/
 COPY server/ server/
 COPY client/ client/
