@@ -59,7 +59,11 @@ else
   export OMP_THREAD_LIMIT=1
   # Each binary in one process: a server suite's tests share its server, and
   # ctest's process per test would start hundreds of servers under TSan.
-  "$build/server_test" --gtest_brief=1 || status=$?
+  # Not the 32768-position call: single-threaded and instrumented it computes
+  # for minutes, and its threads are the ones every other server test runs.
+  "$build/server_test" --gtest_brief=1 \
+    --gtest_filter='-LongSequenceTest.ThirtyTwoThousandKeysWithoutWeightsAreAnsweredByDefault' \
+    || status=$?
   "$build/engine_test" --gtest_brief=1 \
     --gtest_filter='*BatchTest.*:EngineConcurrencyTest.*' || status=$?
 fi

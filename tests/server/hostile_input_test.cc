@@ -886,7 +886,9 @@ TEST_F(CostLimitTest, ServerInfoReportsTheLimits) {
 // of a row are equal and the answer is the mean of the values, whatever the
 // query.
 TEST(LongSequenceTest, ThirtyTwoThousandKeysWithoutWeightsAreAnsweredByDefault) {
-  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start();
+  client::ClientOptions patient;  // a sanitizer build computes for longer than 30 s
+  patient.timeout = absl::Minutes(10);
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start({}, patient);
   ASSERT_THAT(server, IsOk());
   constexpr int64_t kLen = 32768, kDim = 64;
   std::vector<float> query(kLen * kDim), key(kLen * kDim), value(kLen * kDim);
