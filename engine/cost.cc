@@ -118,10 +118,8 @@ CallCost LayerCallCost(const MultiheadAttention& layer, const AttentionArgs& a, 
   // Input and output projections.
   cost.flops += 2 * q_rows * e * e + 2 * kv_rows * (kdim + vdim) * e + 2 * q_rows * e * e;
   // Float32 copies of 16-bit inputs, the projections, the inner output.
-  auto copy = [](const TensorView& v) {
-    return v.present() && v.dtype != DType::kFloat32 ? Elements(v) * 4 : 0.0;
-  };
-  cost.scratch_bytes += copy(a.query) + copy(a.key) + copy(a.value);
+  cost.scratch_bytes += ConvertedBytes(a.query, false) + ConvertedBytes(a.key, false) +
+                        ConvertedBytes(a.value, false);
   cost.scratch_bytes += (q_rows + 2 * keys) * e * 4 + cost.output_bytes();
   cost.output_elements = q_rows * e;
   return cost;

@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string>
 #include <deque>
-#include <optional>
 #include <functional>
+#include <optional>
+#include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"

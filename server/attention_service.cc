@@ -144,11 +144,10 @@ absl::StatusOr<const Model*> AttentionServiceImpl::FindModel(absl::string_view n
 
 absl::Status AttentionServiceImpl::CheckAnswerSize(const CallCost& cost,
                                                    v1::Tensor::DType output_dtype) const {
-  // The answer's tensors in their wire dtype, and room for its other fields.
-  const double element_bytes = output_dtype == v1::Tensor::BFLOAT16 ||
-                                       output_dtype == v1::Tensor::FLOAT16
-                                   ? 2
-                                   : 4;
+  // The answer's tensors in their wire dtype (numbered as the engine's), and
+  // room for its other fields.
+  const double element_bytes =
+      static_cast<double>(DTypeSize(static_cast<DType>(output_dtype)));
   constexpr double kHeadBytes = 4096;
   const double output = cost.output_elements * element_bytes;
   const double weights = cost.weights_elements * element_bytes;

@@ -1,13 +1,12 @@
 #include "server/scheduler.h"
 
 #include <algorithm>
-#include <atomic>
 #include <functional>
-#include <memory>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 
 namespace attention::server {
@@ -155,6 +154,18 @@ namespace {
 // How far before a job's deadline a cancellation counts as the deadline's.
 constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(20);
 
+// Why `job`'s call is over at `now`: "deadline_exceeded", "cancelled", or
+// null while it is not. The deadline first: gRPC cancels a call whose
+// deadline passed, by its own timer, which can fire a little before
+// job.deadline reads as passed here; such a cancellation is the deadline's.
+const char* OverReason(const Job& job, absl::Time now) {
+  if (now >= job.deadline) return "deadline_exceeded";
+  if (!job.cancelled || !job.cancelled()) return nullptr;
+  return now >= job.deadline - kDeadlineSlack ? "deadline_exceeded" : "cancelled";
+}
+
+bool IsDeadline(const char* reason) { return absl::string_view(reason) == "deadline_exceeded"; }
+
 }  // namespace
 
 void Scheduler::Run(std::deque<Job>& batch) {
@@ -164,16 +175,14 @@ void Scheduler::Run(std::deque<Job>& batch) {
   for (Job& job : batch) {
     JobTiming timing;
     timing.queue_us = absl::ToInt64Microseconds(start - job.enqueued);
-    // The deadline first: gRPC also cancels a call whose deadline passed, and
-    // the deadline is the reason.
-    if (job.deadline <= start) {
-      if (hooks_.not_computed) hooks_.not_computed("deadline_exceeded");
-      job.done(absl::DeadlineExceededError(absl::StrCat(
-                   "deadline passed after ", timing.queue_us, " us in the queue, before compute")),
+    if (const char* reason = OverReason(job, start); reason != nullptr) {
+      if (hooks_.not_computed) hooks_.not_computed(reason);
+      job.done(IsDeadline(reason)
+                   ? absl::DeadlineExceededError(absl::StrCat("deadline passed after ",
+                                                              timing.queue_us,
+                                                              " us in the queue, before compute"))
+                   : absl::CancelledError("the call was cancelled before compute started"),
                timing);
-    } else if (job.cancelled && job.cancelled()) {
-      if (hooks_.not_computed) hooks_.not_computed("cancelled");
-      job.done(absl::CancelledError("the call was cancelled before compute started"), timing);
     } else {
       live.push_back(&job);
       calls.push_back({&job.request->args, job.model ? job.model->layer.get() : nullptr});
@@ -184,26 +193,16 @@ void Scheduler::Run(std::deque<Job>& batch) {
   // Polled between work items while a job computes: a caller that left, or
   // whose deadline passed, frees the cores within one work item.
   std::vector<std::function<absl::Status()>> interrupts(live.size());
-  std::unique_ptr<std::atomic<const char*>[]> interrupted(
-      new std::atomic<const char*>[live.size()]);
   for (size_t i = 0; i < live.size(); ++i) {
-    interrupted[i] = nullptr;
-    interrupts[i] = [job = live[i], reason = &interrupted[i]]() -> absl::Status {
-      const bool cancelled = job->cancelled && job->cancelled();
-      // gRPC cancels a call whose deadline passed, by its own timer, which
-      // can fire a little before job->deadline reads as passed here: the
-      // deadline is then the reason.
-      if (absl::Now() >= job->deadline - (cancelled ? kDeadlineSlack : absl::ZeroDuration())) {
-        *reason = "deadline_exceeded";
-        return absl::DeadlineExceededError("deadline passed while the call computed; its work "
-                                           "was stopped");
-      }
-      if (cancelled) {
-        *reason = "cancelled";
-        return absl::CancelledError("the call was cancelled while it computed; its work was "
-                                    "stopped");
-      }
-      return absl::OkStatus();
+    interrupts[i] = [job = live[i]]() -> absl::Status {
+      const char* reason = OverReason(*job, absl::Now());
+      if (reason == nullptr) return absl::OkStatus();
+      return IsDeadline(reason) ? absl::DeadlineExceededError(
+                                      "deadline passed while the call computed; its work was "
+                                      "stopped")
+                                : absl::CancelledError(
+                                      "the call was cancelled while it computed; its work was "
+                                      "stopped");
     };
     calls[i].interrupt = &interrupts[i];
   }
@@ -214,8 +213,12 @@ void Scheduler::Run(std::deque<Job>& batch) {
   timing.compute_us = absl::ToInt64Microseconds(absl::Now() - start);
   timing.batch_size = static_cast<int32_t>(calls.size());
   for (size_t i = 0; i < live.size(); ++i) {
-    const char* reason = interrupted[i].load();
-    if (reason != nullptr && !results[i].ok() && hooks_.interrupted) hooks_.interrupted(reason);
+    // The engine answers these codes only for an interrupt.
+    if (hooks_.interrupted && absl::IsDeadlineExceeded(results[i].status())) {
+      hooks_.interrupted("deadline_exceeded");
+    } else if (hooks_.interrupted && absl::IsCancelled(results[i].status())) {
+      hooks_.interrupted("cancelled");
+    }
     timing.queue_us = absl::ToInt64Microseconds(start - live[i]->enqueued);
     live[i]->done(std::move(results[i]), timing);
   }
