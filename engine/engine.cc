@@ -27,9 +27,8 @@ absl::Status CheckTensorLimit(const TensorView& v, const char* field, int64_t li
   if (limit == 0 || !v.present()) return absl::OkStatus();
   ATTN_ASSIGN_OR_RETURN(int64_t n, internal::CheckedElementCount(v.shape, field));
   if (n <= limit) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(field, ": ", n,
-                                                   " elements exceed the limit of ", limit,
-                                                   " elements per tensor"));
+  return absl::ResourceExhaustedError(absl::StrCat(field, ": ", n, " elements exceed the limit of ",
+                                                   limit, " elements per tensor"));
 }
 
 // Every tensor of `args` against max_tensor_elements.
@@ -53,8 +52,7 @@ absl::Status CheckTensorLimits(const AttentionArgs& args, const EngineOptions& o
 
 // B*H*L*S against max_score_elements when the call returns its weights, and
 // the output B*H*L*Dv against max_tensor_elements.
-absl::Status CheckShapeLimits(const AttentionShape& s, bool need_weights,
-                              const EngineOptions& o) {
+absl::Status CheckShapeLimits(const AttentionShape& s, bool need_weights, const EngineOptions& o) {
   int64_t scores = 1;
   bool overflow = false;
   for (int64_t d : {s.batch, s.heads, s.query_len, s.key_len}) {
@@ -66,22 +64,21 @@ absl::Status CheckShapeLimits(const AttentionShape& s, bool need_weights,
     overflow |= __builtin_mul_overflow(outputs, d, &outputs);
   }
   if (overflow) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "query, key: B*H*L*S = ", s.batch, "*", s.heads, "*", s.query_len, "*", s.key_len,
-        " or B*H*L*Dv overflows"));
+    return absl::ResourceExhaustedError(absl::StrCat("query, key: B*H*L*S = ", s.batch, "*",
+                                                     s.heads, "*", s.query_len, "*", s.key_len,
+                                                     " or B*H*L*Dv overflows"));
   }
   if (need_weights && o.max_score_elements != 0 && scores > o.max_score_elements) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "need_weights: B*H*L*S = ", s.batch, "*", s.heads, "*", s.query_len, "*", s.key_len,
-        " = ", scores, " exceeds the limit of ", o.max_score_elements,
+        "need_weights: B*H*L*S = ", s.batch, "*", s.heads, "*", s.query_len, "*", s.key_len, " = ",
+        scores, " exceeds the limit of ", o.max_score_elements,
         " score elements per request that returns its weights (without weights any length "
         "passes this limit)"));
   }
   if (o.max_tensor_elements != 0 && outputs > o.max_tensor_elements) {
-    return absl::ResourceExhaustedError(absl::StrCat("output: ", outputs,
-                                                     " elements exceed the limit of ",
-                                                     o.max_tensor_elements,
-                                                     " elements per tensor"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("output: ", outputs, " elements exceed the limit of ", o.max_tensor_elements,
+                     " elements per tensor"));
   }
   return absl::OkStatus();
 }
@@ -99,11 +96,11 @@ std::string MiB(double bytes) {
 // A call's cost against max_request_bytes and max_request_flops.
 absl::Status CheckCost(const CallCost& c, const EngineOptions& o) {
   if (o.max_request_bytes != 0 && c.bytes() > static_cast<double>(o.max_request_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request: would allocate ", MiB(c.bytes()), " MiB (output ", MiB(c.output_bytes()),
-        ", weights ", MiB(c.weights_bytes()), ", working memory ", MiB(c.scratch_bytes),
-        "), over the limit of ", MiB(static_cast<double>(o.max_request_bytes)),
-        " MiB per request"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request: would allocate ", MiB(c.bytes()), " MiB (output ",
+                     MiB(c.output_bytes()), ", weights ", MiB(c.weights_bytes()),
+                     ", working memory ", MiB(c.scratch_bytes), "), over the limit of ",
+                     MiB(static_cast<double>(o.max_request_bytes)), " MiB per request"));
   }
   if (o.max_request_flops != 0 && c.flops > o.max_request_flops) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -132,8 +129,8 @@ absl::StatusOr<CallCost> CheckLayerLimits(const AttentionArgs& args,
   s.key_len = plan.kv_len + extra_keys;
   s.value_dim = c.embed_dim / c.num_heads;
   ATTN_RETURN_IF_ERROR(CheckShapeLimits(s, args.need_weights, o));
-  const CallCost cost = internal::LayerCallCost(layer, args, s.batch, s.query_len, plan.kv_len,
-                                                extra_keys, threads);
+  const CallCost cost =
+      internal::LayerCallCost(layer, args, s.batch, s.query_len, plan.kv_len, extra_keys, threads);
   ATTN_RETURN_IF_ERROR(CheckCost(cost, o));
   return cost;
 }
@@ -270,7 +267,8 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
   // Validation runs on the caller's thread; only work reaches the compute thread.
   for (size_t i = 0; i < n; ++i) {
     if (calls[i].layer != nullptr) {
-      absl::StatusOr<internal::LayerPlan> plan = internal::PlanLayer(*calls[i].layer, *calls[i].args);
+      absl::StatusOr<internal::LayerPlan> plan = OutOfMemoryAsStatus(
+          "layer planning", [&] { return internal::PlanLayer(*calls[i].layer, *calls[i].args); });
       absl::Status limits = plan.status();
       if (plan.ok()) {
         limits = CheckLayerLimits(*calls[i].args, *plan, *calls[i].layer, CostThreads(), options_)
@@ -292,34 +290,46 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
   }
   auto compute = [&] {
     internal::ComputeBackend& backend = *impl_->backend;
+    // Each call's own allocations fail that call only, never the batch.
+    auto fail_layer = [&](size_t i, absl::Status status) {
+      results[i] = std::move(status);
+      plans[i].reset();
+    };
     std::vector<internal::LinearJob> jobs;
-    for (auto& plan : plans) {
-      if (!plan) continue;
-      for (const auto& job : internal::InputProjections(*plan)) jobs.push_back(job);
+    for (size_t i = 0; i < n; ++i) {
+      if (!plans[i]) continue;
+      absl::StatusOr<std::vector<internal::LinearJob>> projections = OutOfMemoryAsStatus(
+          "layer input projections", [&]() -> absl::StatusOr<std::vector<internal::LinearJob>> {
+            return internal::InputProjections(*plans[i]);
+          });
+      if (projections.ok()) {
+        jobs.insert(jobs.end(), projections->begin(), projections->end());
+      } else {
+        fail_layer(i, projections.status());
+      }
     }
     const absl::Status projected = backend.LinearBatch(jobs);
     for (size_t i = 0; i < n; ++i) {
       if (!plans[i]) continue;
       if (!projected.ok()) {
-        results[i] = projected;
-        plans[i].reset();
+        fail_layer(i, projected);
         continue;
       }
-      internal::BuildInner(*plans[i]);
-      absl::StatusOr<AttentionShape> shape = resolve(plans[i]->inner);
+      absl::StatusOr<AttentionShape> shape = OutOfMemoryAsStatus("layer inner attention", [&] {
+        internal::BuildInner(*plans[i]);
+        return resolve(plans[i]->inner);
+      });
       if (shape.ok()) {
         shapes[i] = *shape;
       } else {
-        results[i] = shape.status();
-        plans[i].reset();
+        fail_layer(i, shape.status());
       }
     }
     std::vector<internal::BackendCall> work;
     std::vector<size_t> index;
     for (size_t i = 0; i < n; ++i) {
       if (!shapes[i]) continue;
-      work.push_back({plans[i] ? &plans[i]->inner : calls[i].args, *shapes[i],
-                      calls[i].interrupt});
+      work.push_back({plans[i] ? &plans[i]->inner : calls[i].args, *shapes[i], calls[i].interrupt});
       index.push_back(i);
     }
     std::vector<absl::StatusOr<AttentionResult>> computed = backend.RunBatch(work);
@@ -330,8 +340,16 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
     std::vector<size_t> layer_calls;
     for (size_t i = 0; i < n; ++i) {
       if (!plans[i] || !results[i].ok()) continue;
-      jobs.push_back(internal::OutputProjection(*plans[i], results[i]->output.data, projected_out[i]));
-      layer_calls.push_back(i);
+      absl::StatusOr<internal::LinearJob> job = OutOfMemoryAsStatus(
+          "layer output projection", [&]() -> absl::StatusOr<internal::LinearJob> {
+            return internal::OutputProjection(*plans[i], results[i]->output.data, projected_out[i]);
+          });
+      if (job.ok()) {
+        jobs.push_back(*job);
+        layer_calls.push_back(i);
+      } else {
+        results[i] = job.status();
+      }
     }
     const absl::Status out = backend.LinearBatch(jobs);
     for (size_t i : layer_calls) {

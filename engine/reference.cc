@@ -6,6 +6,7 @@
 
 #include "engine/backend.h"
 #include "engine/internal.h"
+#include "engine/status_macros.h"
 
 namespace attention::internal {
 namespace {
@@ -223,8 +224,8 @@ AttentionResult ReferenceAttend(const AttentionArgs& args, const AttentionShape&
   result.output.data.assign(static_cast<size_t>(B * H * L * Dv), 0.0f);
 
   if (args.need_weights) {
-    result.weights.shape = args.average_weights ? std::vector<int64_t>{B, L, S}
-                                                : std::vector<int64_t>{B, H, L, S};
+    result.weights.shape =
+        args.average_weights ? std::vector<int64_t>{B, L, S} : std::vector<int64_t>{B, H, L, S};
     result.weights.data.assign(static_cast<size_t>(B * (args.average_weights ? 1 : H) * L * S),
                                0.0f);
   }
@@ -297,8 +298,12 @@ class ReferenceBackend final : public ComputeBackend {
     std::vector<absl::StatusOr<AttentionResult>> results;
     for (const BackendCall& c : calls) {
       absl::Status interrupted = c.interrupt ? (*c.interrupt)() : absl::OkStatus();
-      results.push_back(interrupted.ok() ? ReferenceAttend(*c.args, c.shape)
-                                         : absl::StatusOr<AttentionResult>(interrupted));
+      results.push_back(interrupted.ok()
+                            ? OutOfMemoryAsStatus("engine",
+                                                  [&]() -> absl::StatusOr<AttentionResult> {
+                                                    return ReferenceAttend(*c.args, c.shape);
+                                                  })
+                            : absl::StatusOr<AttentionResult>(interrupted));
     }
     return results;
   }

@@ -146,16 +146,15 @@ absl::Status AttentionServiceImpl::CheckAnswerSize(const CallCost& cost,
                                                    v1::Tensor::DType output_dtype) const {
   // The answer's tensors in their wire dtype (numbered as the engine's), and
   // room for its other fields.
-  const double element_bytes =
-      static_cast<double>(DTypeSize(static_cast<DType>(output_dtype)));
+  const double element_bytes = static_cast<double>(DTypeSize(static_cast<DType>(output_dtype)));
   constexpr double kHeadBytes = 4096;
   const double output = cost.output_elements * element_bytes;
   const double weights = cost.weights_elements * element_bytes;
   const double answer = output + weights + kHeadBytes;
   if (answer <= static_cast<double>(options_.max_message_bytes)) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "answer: ", static_cast<int64_t>(answer), " bytes (output ",
-      static_cast<int64_t>(output), ", weights ", static_cast<int64_t>(weights),
+      "answer: ", static_cast<int64_t>(answer), " bytes (output ", static_cast<int64_t>(output),
+      ", weights ", static_cast<int64_t>(weights),
       ") would exceed the largest message the server sends, ", options_.max_message_bytes,
       " bytes (--max_message_mb)", weights > 0 ? "; ask without need_weights" : ""));
 }
@@ -177,11 +176,14 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
   if (!request.model().empty()) {
     ATTN_ASSIGN_OR_RETURN(job.model, FindModel(request.model()));
   }
-  ATTN_ASSIGN_OR_RETURN(job.request, ToEngineRequest(request));
+  ATTN_ASSIGN_OR_RETURN(job.request, OutOfMemoryAsStatus("request conversion",
+                                                         [&] { return ToEngineRequest(request); }));
   AttentionArgs& args = job.request->args;
   // Refused before admission: a bad request takes no queue slot.
-  ATTN_ASSIGN_OR_RETURN(const CallCost cost,
-                        engine_->Validate({&args, job.model ? job.model->layer.get() : nullptr}));
+  ATTN_ASSIGN_OR_RETURN(
+      const CallCost cost, OutOfMemoryAsStatus("request validation", [&] {
+        return engine_->Validate({&args, job.model ? job.model->layer.get() : nullptr});
+      }));
   ATTN_RETURN_IF_ERROR(CheckAnswerSize(cost, job.request->output_dtype));
   job.inline_when_idle = cost.flops <= kInlineMaxFlops;
   job.max_batch_size = options_.max_batch_size;
@@ -275,7 +277,7 @@ class AttentionServiceImpl::StreamReactor final
   void OnReadDone(bool ok) override {
     // Shared with the job's `done`: the job's views point into it.
     auto request = std::make_shared<v1::AttendRequest>();
-    absl::Status parsed;
+    grpc::ByteBuffer bytes;
     {
       absl::MutexLock lock(&mu_);
       reading_ = false;
@@ -287,12 +289,15 @@ class AttentionServiceImpl::StreamReactor final
       if (finished_) return;  // a read that completed as a drain finished the stream
       ++in_flight_;
       service_->CallOpened();
-      parsed = ParseMessage(next_, request.get());
-      next_.Clear();
-      // Parsed first, so that the refusal carries the request's id.
-      if (parsed.ok() && service_->draining_.load()) parsed = DrainingError();
+      bytes.Swap(&next_);
     }
-    // Unlocked from here: a small job may compute, and answer, within Submit.
+    // Unlocked from here: parsing a large message takes a while, during which
+    // answers to this stream's earlier requests are written, and a small job
+    // may compute, and answer, within Submit.
+    absl::Status parsed = ParseMessage(bytes, request.get());
+    bytes.Clear();
+    // Parsed first, so that the refusal carries the request's id.
+    if (parsed.ok() && service_->draining_.load()) parsed = DrainingError();
     service_->metrics_->AddInFlight(1);
     const absl::Time start = absl::Now();
     absl::StatusOr<Job> job = parsed.ok() ? service_->MakeJob(*context_, *request) : parsed;

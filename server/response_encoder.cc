@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/half.h"
+#include "engine/status_macros.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 
@@ -96,11 +97,8 @@ absl::Status AppendTensor(uint32_t field, Tensor& t, v1::Tensor::DType dtype, st
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<grpc::ByteBuffer> EncodeResponse(const v1::AttendResponse& head,
-                                                AttentionResult result, bool need_weights,
-                                                v1::Tensor::DType dtype) {
+absl::StatusOr<grpc::ByteBuffer> Encode(const v1::AttendResponse& head, AttentionResult result,
+                                        bool need_weights, v1::Tensor::DType dtype) {
   // Fields may come in any order on the wire: `head`'s first, then each
   // tensor's header followed by its data.
   std::string header = head.SerializeAsString();
@@ -119,12 +117,7 @@ absl::StatusOr<grpc::ByteBuffer> EncodeResponse(const v1::AttendResponse& head,
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message) {
-  grpc::Slice slice(message.SerializeAsString());
-  return grpc::ByteBuffer(&slice, 1);
-}
-
-absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
+absl::Status Parse(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
   grpc::ByteBuffer shared(buffer);  // the reader consumes its buffer; this shares the slices
   grpc::ProtoBufferReader reader(&shared);
   if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
@@ -132,6 +125,24 @@ absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::Mess
         absl::StrCat("the request is not a valid ", message->GetTypeName(), " message"));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<grpc::ByteBuffer> EncodeResponse(const v1::AttendResponse& head,
+                                                AttentionResult result, bool need_weights,
+                                                v1::Tensor::DType dtype) {
+  return OutOfMemoryAsStatus("answer encoding",
+                             [&] { return Encode(head, std::move(result), need_weights, dtype); });
+}
+
+grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message) {
+  grpc::Slice slice(message.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
+  return OutOfMemoryAsStatus("request parsing", [&] { return Parse(buffer, message); });
 }
 
 }  // namespace attention::server
