@@ -59,10 +59,11 @@ else
   export OMP_THREAD_LIMIT=1
   # Each binary in one process: a server suite's tests share its server, and
   # ctest's process per test would start hundreds of servers under TSan.
-  # Not the 32768-position call: single-threaded and instrumented it computes
-  # for minutes, and its threads are the ones every other server test runs.
+  # Not the 32768-position call, nor the 90-GFLOP additive one: single-threaded
+  # and instrumented they compute for minutes, and their threads are the ones
+  # every other server test runs.
   "$build/server_test" --gtest_brief=1 \
-    --gtest_filter='-LongSequenceTest.ThirtyTwoThousandKeysWithoutWeightsAreAnsweredByDefault' \
+    --gtest_filter='-LongSequenceTest.ThirtyTwoThousandKeysWithoutWeightsAreAnsweredByDefault:FairShareTest.*' \
     || status=$?
   "$build/engine_test" --gtest_brief=1 \
     --gtest_filter='*BatchTest.*:EngineConcurrencyTest.*' || status=$?

@@ -50,7 +50,9 @@ AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepo
       scheduler_(scheduler),
       metrics_(metrics),
       auth_(auth),
-      options_(options) {}
+      options_(options),
+      memory_(options.memory_budget_bytes,
+              [metrics](int64_t reserved) { metrics->SetMemoryReserved(reserved); }) {}
 
 // A unary call's reactor: counts the call open from its start until gRPC is
 // done with it (its answer's last byte handed to the socket). Deletes itself.
@@ -63,9 +65,12 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
     service_->CallsEnded(1);
     delete this;
   }
+  // Memory the call holds until gRPC is done with its answer.
+  MemoryBudget::Lease& lease() { return lease_; }
 
  private:
   const AttentionServiceImpl* const service_;
+  MemoryBudget::Lease lease_;
 };
 
 void AttentionServiceImpl::AddStream(StreamReactor* stream) {
@@ -142,15 +147,28 @@ absl::StatusOr<const Model*> AttentionServiceImpl::FindModel(absl::string_view n
   return model;
 }
 
+namespace {
+
+// Room for an answer's fields other than its tensors.
+constexpr double kAnswerHeadBytes = 4096;
+
+// Bytes per element of a tensor in `dtype` on the wire (numbered as the engine's).
+double WireElementBytes(v1::Tensor::DType dtype) {
+  return static_cast<double>(DTypeSize(static_cast<DType>(dtype)));
+}
+
+double AnswerBytes(const CallCost& cost, v1::Tensor::DType output_dtype) {
+  return (cost.output_elements + cost.weights_elements) * WireElementBytes(output_dtype) +
+         kAnswerHeadBytes;
+}
+
+}  // namespace
+
 absl::Status AttentionServiceImpl::CheckAnswerSize(const CallCost& cost,
                                                    v1::Tensor::DType output_dtype) const {
-  // The answer's tensors in their wire dtype (numbered as the engine's), and
-  // room for its other fields.
-  const double element_bytes = static_cast<double>(DTypeSize(static_cast<DType>(output_dtype)));
-  constexpr double kHeadBytes = 4096;
-  const double output = cost.output_elements * element_bytes;
-  const double weights = cost.weights_elements * element_bytes;
-  const double answer = output + weights + kHeadBytes;
+  const double output = cost.output_elements * WireElementBytes(output_dtype);
+  const double weights = cost.weights_elements * WireElementBytes(output_dtype);
+  const double answer = AnswerBytes(cost, output_dtype);
   if (answer <= static_cast<double>(options_.max_message_bytes)) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       "answer: ", static_cast<int64_t>(answer), " bytes (output ", static_cast<int64_t>(output),
@@ -160,7 +178,8 @@ absl::Status AttentionServiceImpl::CheckAnswerSize(const CallCost& cost,
 }
 
 absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerContext& context,
-                                                  const v1::AttendRequest& request) const {
+                                                  const v1::AttendRequest& request,
+                                                  size_t wire_bytes, MemoryBudget::Lease* lease) {
   // A caller gone before its request was even admitted is work not done, the
   // same as one the scheduler drops from its queue. The deadline first, as
   // there: gRPC also cancels a call whose deadline passed.
@@ -185,6 +204,14 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
         return engine_->Validate({&args, job.model ? job.model->layer.get() : nullptr});
       }));
   ATTN_RETURN_IF_ERROR(CheckAnswerSize(cost, job.request->output_dtype));
+  // Held until answered: the request as received and as parsed, the
+  // engine's allocations, and the encoded answer.
+  const double held = 2.0 * static_cast<double>(wire_bytes) + cost.bytes() +
+                      AnswerBytes(cost, job.request->output_dtype);
+  ATTN_ASSIGN_OR_RETURN(
+      *lease,
+      memory_.Reserve(static_cast<int64_t>(std::min(held, static_cast<double>(INT64_MAX / 2)))));
+  job.flops = cost.flops;
   job.inline_when_idle = cost.flops <= kInlineMaxFlops;
   job.max_batch_size = options_.max_batch_size;
   job.max_queue_delay = absl::Microseconds(options_.max_queue_delay_us);
@@ -211,13 +238,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer* request_bytes,
                                                        grpc::ByteBuffer* response) {
   const absl::Time start = absl::Now();
-  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  UnaryReactor* reactor = new UnaryReactor(this);
   // Shared with the job's `done`, which outlives this call: the job's views
   // point into it.
   auto request = std::make_shared<v1::AttendRequest>();
   absl::Status admitted = Admit(*context);
   if (admitted.ok()) admitted = ParseMessage(*request_bytes, request.get());
-  absl::StatusOr<Job> job = admitted.ok() ? MakeJob(*context, *request) : admitted;
+  absl::StatusOr<Job> job =
+      admitted.ok() ? MakeJob(*context, *request, request_bytes->Length(), &reactor->lease())
+                    : admitted;
   if (!job.ok()) return FinishUnary(reactor, "Attend", request->model(), start, job.status());
   metrics_->AddInFlight(1);
   job->cancelled = [context] { return context->IsCancelled(); };
@@ -295,18 +324,22 @@ class AttentionServiceImpl::StreamReactor final
     // answers to this stream's earlier requests are written, and a small job
     // may compute, and answer, within Submit.
     absl::Status parsed = ParseMessage(bytes, request.get());
+    const size_t wire_bytes = bytes.Length();
     bytes.Clear();
     // Parsed first, so that the refusal carries the request's id.
     if (parsed.ok() && service_->draining_.load()) parsed = DrainingError();
     service_->metrics_->AddInFlight(1);
     const absl::Time start = absl::Now();
-    absl::StatusOr<Job> job = parsed.ok() ? service_->MakeJob(*context_, *request) : parsed;
+    // Memory the request holds until its answer is written (or dropped).
+    auto lease = std::make_shared<MemoryBudget::Lease>();
+    absl::StatusOr<Job> job =
+        parsed.ok() ? service_->MakeJob(*context_, *request, wire_bytes, lease.get()) : parsed;
     absl::Status refused;
     if (job.ok()) {
       const v1::Tensor::DType output_dtype = job->request->output_dtype;
       job->cancelled = [this] { return cancelled_.load(); };
-      job->done = [this, request, output_dtype, start](absl::StatusOr<AttentionResult> result,
-                                                       const JobTiming& timing) {
+      job->done = [this, request, output_dtype, start, lease](
+                      absl::StatusOr<AttentionResult> result, const JobTiming& timing) {
         absl::StatusOr<grpc::ByteBuffer> answer = absl::UnknownError("unset");
         if (result.ok()) {
           v1::AttendResponse head = ResponseHead(*request, timing);
@@ -318,7 +351,7 @@ class AttentionServiceImpl::StreamReactor final
         service_->Record("AttendStream", request->model(), ToGrpcStatus(answer.status()), start,
                          &timing);
         absl::MutexLock lock(&mu_);
-        AnswerLocked(*request, std::move(answer));
+        AnswerLocked(*request, std::move(answer), std::move(*lease));
       };
       refused = service_->scheduler_->Submit(*std::move(job));
     } else {
@@ -327,7 +360,7 @@ class AttentionServiceImpl::StreamReactor final
     absl::MutexLock lock(&mu_);
     if (!refused.ok()) {
       service_->Record("AttendStream", request->model(), ToGrpcStatus(refused), start, nullptr);
-      AnswerLocked(*request, refused);
+      AnswerLocked(*request, refused, {});
     }
     if (!reading_ && !reads_done_ && !cancelled_ && !finished_ && in_flight_ < kMaxStreamInFlight) {
       ReadNextLocked();
@@ -375,8 +408,8 @@ class AttentionServiceImpl::StreamReactor final
 
   // Queues the answer to `request`: the encoded response, or an answer
   // carrying the error.
-  void AnswerLocked(const v1::AttendRequest& request, absl::StatusOr<grpc::ByteBuffer> answer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void AnswerLocked(const v1::AttendRequest& request, absl::StatusOr<grpc::ByteBuffer> answer,
+                    MemoryBudget::Lease lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     service_->metrics_->AddInFlight(-1);
     if (cancelled_) {
       --in_flight_;
@@ -392,7 +425,7 @@ class AttentionServiceImpl::StreamReactor final
       response.mutable_status()->set_message(wire.error_message());
       answer = SerializeMessage(response);
     }
-    writes_.push_back(*std::move(answer));
+    writes_.push_back({*std::move(answer), std::move(lease)});
     WriteNextLocked();
   }
 
@@ -406,7 +439,7 @@ class AttentionServiceImpl::StreamReactor final
   void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (writing_ || writes_.empty() || cancelled_) return;
     writing_ = true;
-    StartWrite(&writes_.front());
+    StartWrite(&writes_.front().bytes);
   }
 
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -426,9 +459,13 @@ class AttentionServiceImpl::StreamReactor final
   grpc::CallbackServerContext* const context_;
   std::atomic<bool> cancelled_{false};
   absl::Mutex mu_;
-  grpc::ByteBuffer next_ ABSL_GUARDED_BY(mu_);                // being read
-  std::deque<grpc::ByteBuffer> writes_ ABSL_GUARDED_BY(mu_);  // front is being written
-  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;                    // read, not yet written (or dropped)
+  grpc::ByteBuffer next_ ABSL_GUARDED_BY(mu_);  // being read
+  struct Write {
+    grpc::ByteBuffer bytes;
+    MemoryBudget::Lease lease;  // of the request it answers
+  };
+  std::deque<Write> writes_ ABSL_GUARDED_BY(mu_);  // front is being written
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;         // read, not yet written (or dropped)
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
@@ -466,6 +503,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   limits->set_max_queue(options_.max_queue);
   limits->set_max_request_bytes(options.max_request_bytes);
   limits->set_max_request_gflop(options.max_request_flops / 1e9);
+  limits->set_memory_budget_bytes(memory_.limit());
   for (int kind = v1::Score::Kind_MIN; kind <= v1::Score::Kind_MAX; ++kind) {
     if (v1::Score::Kind_IsValid(kind)) {
       response->add_supported_scores(static_cast<v1::Score::Kind>(kind));

@@ -12,6 +12,7 @@
 #include "attention/v1/service.grpc.pb.h"
 #include "engine/engine.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/scheduler.h"
@@ -25,6 +26,8 @@ struct ServiceOptions {
   // Batching defaults for raw attention and for models whose config sets none.
   int32_t max_batch_size = 1;
   int64_t max_queue_delay_us = 0;
+  // Memory all calls in flight may hold at once (server/memory_budget.h); 0: no limit.
+  int64_t memory_budget_bytes = 0;
 };
 
 // Attend and AttendStream take and give raw bytes: requests are parsed by
@@ -116,9 +119,12 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // would exceed the largest message the server sends: refused before
   // compute rather than computed and then not sent.
   absl::Status CheckAnswerSize(const CallCost& cost, v1::Tensor::DType output_dtype) const;
-  // Validates and converts `request` into a job whose `done` is still unset.
+  // Validates and converts `request`, which came as `wire_bytes` bytes, into a
+  // job whose `done` is still unset, and reserves in `lease` the memory the
+  // call will hold until it is answered (RESOURCE_EXHAUSTED past the budget).
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
-                              const v1::AttendRequest& request) const;
+                              const v1::AttendRequest& request, size_t wire_bytes,
+                              MemoryBudget::Lease* lease);
 
   const Engine* const engine_;
   const ModelRepository* const models_;
@@ -126,6 +132,7 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   Metrics* const metrics_;
   const TokenAuth* const auth_;
   const ServiceOptions options_;
+  MemoryBudget memory_;
   std::atomic<bool> draining_{false};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);

@@ -5,8 +5,8 @@
 #include <signal.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -41,6 +41,10 @@ ABSL_FLAG(int64_t, max_request_mb, attention::EngineOptions().max_request_bytes 
 ABSL_FLAG(double, max_request_gflop, attention::EngineOptions().max_request_flops / 1e9,
           "Most compute one request may take, in GFLOP (a multiply-add counts 2; an additive "
           "score's tanh counts per hidden unit); 0 means no limit");
+ABSL_FLAG(int64_t, memory_budget_mb, attention::ServerOptions().memory_budget_mb,
+          "Memory all calls in flight may hold at once (requests, the engine's allocations, "
+          "answers), in MiB; a call that would pass it gets RESOURCE_EXHAUSTED. Keep it about "
+          "512 MiB below the container's memory limit; 0 means no limit");
 ABSL_FLAG(std::string, model_repository, ATTENTION_DEFAULT_MODEL_REPOSITORY,
           "Folder of model folders (config.pbtxt + weights.safetensors) to serve; empty for "
           "none");
@@ -60,8 +64,7 @@ ABSL_FLAG(int64_t, max_queue_delay_us, attention::ServerOptions().max_queue_dela
 ABSL_FLAG(double, drain_seconds, attention::ServerOptions().drain_seconds,
           "On SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
           "get this long to finish before they are cancelled");
-ABSL_FLAG(double, max_connection_age_seconds,
-          attention::ServerOptions().max_connection_age_seconds,
+ABSL_FLAG(double, max_connection_age_seconds, attention::ServerOptions().max_connection_age_seconds,
           "Connections older than this are asked to reconnect (after up to --drain_seconds for "
           "their calls), so DNS-balancing clients spread onto new replicas; 0: never");
 ABSL_FLAG(int32_t, max_concurrent_streams, attention::ServerOptions().max_concurrent_streams,
@@ -180,6 +183,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   options.engine.max_request_bytes = max_request_mb << 20;
+  options.memory_budget_mb = absl::GetFlag(FLAGS_memory_budget_mb);
   options.engine.max_request_flops = max_request_gflop * 1e9;
   absl::StatusOr<std::unique_ptr<attention::AttentionServer>> server =
       attention::AttentionServer::Create(options);

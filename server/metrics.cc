@@ -228,9 +228,16 @@ std::string Metrics::RenderPrometheus() const {
   AppendSample("attention_in_flight", "", absl::StrCat(in_flight_.load(std::memory_order_relaxed)),
                &out);
 
+  AppendHeader("attention_memory_reserved_bytes", "gauge",
+               "Bytes the calls in flight hold of the server's memory budget (--memory_budget_mb).",
+               &out);
+  AppendSample("attention_memory_reserved_bytes", "",
+               absl::StrCat(memory_reserved_.load(std::memory_order_relaxed)), &out);
+
   AppendHeader("attention_engine_pooled_bytes", "gauge",
                "Freed engine output blocks (1 MiB and more) kept for reuse, up to 512 MiB; freed "
-               "after 10 s unused.", &out);
+               "after 10 s unused.",
+               &out);
   AppendSample("attention_engine_pooled_bytes", "", absl::StrCat(PooledOutputBytes()), &out);
 
   const HeapTrimStats trim = HeapTrimStatsNow();

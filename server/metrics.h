@@ -25,6 +25,7 @@ namespace attention::server {
 //   attention_latency_seconds{stage,method}                histogram
 //   attention_batch_size                                   histogram
 //   attention_queue_depth, attention_in_flight             gauges
+//   attention_memory_reserved_bytes                        gauge
 //   attention_engine_pooled_bytes                          gauge (the process's)
 //   attention_malloc_trims_total                           counter (the process's)
 //   attention_malloc_trim_seconds_total                    counter (the process's)
@@ -57,6 +58,10 @@ class Metrics {
   void SetQueueDepth(int64_t depth);
   // Calls being handled; +1 when one starts, -1 when it finishes.
   void AddInFlight(int delta);
+  // Bytes the calls in flight have reserved of the server's memory budget.
+  void SetMemoryReserved(int64_t bytes) {
+    memory_reserved_.store(bytes, std::memory_order_relaxed);
+  }
   // Calls being handled now, and calls started so far (the sum of
   // AddInFlight's positive deltas).
   int64_t in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
@@ -91,6 +96,7 @@ class Metrics {
   std::map<std::string, uint64_t> interrupted_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> queue_depth_{0};
   std::atomic<int64_t> in_flight_{0};
+  std::atomic<int64_t> memory_reserved_{0};
   std::atomic<uint64_t> calls_started_{0};
 };
 

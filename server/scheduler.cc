@@ -11,8 +11,7 @@
 
 namespace attention::server {
 
-Scheduler::Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks,
-                     int max_inline)
+Scheduler::Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks, int max_inline)
     : engine_(engine),
       max_queue_(max_queue),
       max_inline_(max_inline > 0 ? max_inline : std::max(1, engine->threads())),
@@ -40,8 +39,8 @@ absl::Status Scheduler::Submit(Job job) {
           max_queue_, "); retry with backoff"));
     }
     job.enqueued = absl::Now();
-    if (job.inline_when_idle && !dispatching_ && inline_threads_ < max_inline_ &&
-        queue_.empty()) {
+    if (job.inline_when_idle && (!dispatching_ || dispatching_long_) &&
+        inline_threads_ < max_inline_ && queue_.empty()) {
       ++inline_threads_;
       run_here = true;
     } else {
@@ -62,7 +61,8 @@ absl::Status Scheduler::Submit(Job job) {
         absl::MutexLock lock(&mu_);
         // Only a thread computing alone goes on: the last inline one to
         // finish, or the dispatcher, takes whatever is left.
-        if (taken == kMaxBatchesAfterInline || inline_threads_ > held || !TakeDueBatch(batch)) {
+        if (taken == kMaxBatchesAfterInline || inline_threads_ > held || dispatching_ ||
+            !TakeDueBatch(batch)) {
           inline_threads_ -= held;
           break;
         }
@@ -89,7 +89,8 @@ bool Scheduler::TakeDueBatch(std::deque<Job>& batch) {
 void Scheduler::TakeFrontBatch(std::deque<Job>& batch) {
   const std::string key = queue_.front().batch_key;
   const int64_t limit = std::max<int32_t>(1, queue_.front().max_batch_size);
-  for (auto it = queue_.begin(); it != queue_.end() && static_cast<int64_t>(batch.size()) < limit;) {
+  for (auto it = queue_.begin();
+       it != queue_.end() && static_cast<int64_t>(batch.size()) < limit;) {
     if (it->batch_key == key) {
       batch.push_back(std::move(*it));
       it = queue_.erase(it);
@@ -128,24 +129,27 @@ void Scheduler::Loop() {
         const std::string* key;
         int64_t limit;
       } full{this, &key, limit};
-      mu_.AwaitWithDeadline(
-          absl::Condition(
-              +[](Full* f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                return f->s->stopping_ || f->s->queued_per_key_[*f->key] >= f->limit;
-              },
-              &full),
-          dispatch_by);
+      mu_.AwaitWithDeadline(absl::Condition(
+                                +[](Full* f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                  return f->s->stopping_ ||
+                                         f->s->queued_per_key_[*f->key] >= f->limit;
+                                },
+                                &full),
+                            dispatch_by);
       // The front job is the same: nothing else takes from the queue while the
       // dispatcher waits (no inline batch is running, and a queue that is not
       // empty starts none).
       TakeFrontBatch(batch);
       depth = static_cast<int64_t>(queue_.size());
+      double flops = 0;
+      for (const Job& job : batch) flops += job.flops;
       dispatching_ = true;
+      dispatching_long_ = flops >= kLongBatchFlops;
     }
     if (hooks_.queue_depth) hooks_.queue_depth(depth);
     Run(batch);
     absl::MutexLock lock(&mu_);
-    dispatching_ = false;
+    dispatching_ = dispatching_long_ = false;
   }
 }
 
@@ -177,12 +181,12 @@ void Scheduler::Run(std::deque<Job>& batch) {
     timing.queue_us = absl::ToInt64Microseconds(start - job.enqueued);
     if (const char* reason = OverReason(job, start); reason != nullptr) {
       if (hooks_.not_computed) hooks_.not_computed(reason);
-      job.done(IsDeadline(reason)
-                   ? absl::DeadlineExceededError(absl::StrCat("deadline passed after ",
-                                                              timing.queue_us,
-                                                              " us in the queue, before compute"))
-                   : absl::CancelledError("the call was cancelled before compute started"),
-               timing);
+      job.done(
+          IsDeadline(reason)
+              ? absl::DeadlineExceededError(absl::StrCat("deadline passed after ", timing.queue_us,
+                                                         " us in the queue, before compute"))
+              : absl::CancelledError("the call was cancelled before compute started"),
+          timing);
     } else {
       live.push_back(&job);
       calls.push_back({&job.request->args, job.model ? job.model->layer.get() : nullptr});

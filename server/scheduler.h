@@ -36,6 +36,8 @@ struct Job {
   // calling thread. That saves the two thread hand-offs to the dispatcher and
   // back, which would cost more than its compute.
   bool inline_when_idle = false;
+  // Its compute (CallCost::flops).
+  double flops = 0;
   absl::Time deadline = absl::InfiniteFuture();
   // True once the caller is gone; may be empty.
   std::function<bool()> cancelled;
@@ -62,16 +64,17 @@ struct SchedulerHooks {
 // dispatcher owns the cores), up to the job's max_batch_size, waiting at most
 // its max_queue_delay for others to join. Jobs whose caller left or whose
 // deadline passed are answered without compute. The dispatcher's batches
-// compute alone, on all the engine's threads. Small (inline_when_idle) jobs
-// compute on the threads that submit them, several at once (each on one
-// thread) but never beside the dispatcher. Thread-safe.
+// compute on all the engine's threads. Small (inline_when_idle) jobs compute
+// on the threads that submit them, several at once (each on one thread), and
+// beside the dispatcher only while it computes a long batch (kLongBatchFlops):
+// a call of a few microseconds never waits seconds behind another's.
+// Thread-safe.
 class Scheduler {
  public:
   // `engine` must outlive the scheduler. Starts the dispatcher thread. At most
   // `max_inline` small jobs compute inline at once; 0 means one per engine
   // thread.
-  Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks = {},
-            int max_inline = 0);
+  Scheduler(const Engine* engine, int64_t max_queue, SchedulerHooks hooks = {}, int max_inline = 0);
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
   // Runs every job still queued, then stops.
@@ -91,6 +94,11 @@ class Scheduler {
   // are already due, rather than waking the dispatcher for them, as long as
   // no other inline job is computing (a batch of small jobs may be large).
   static constexpr int kMaxBatchesAfterInline = 4;
+  // A dispatcher batch of at least this much work (milliseconds on this
+  // machine's cores) lets small jobs compute inline beside it: the thread one
+  // of them takes from the batch for microseconds costs the batch less than
+  // the small job would wait for it.
+  static constexpr double kLongBatchFlops = 2e9;
   // Moves the batch of the queue's front job into `batch` when it is small
   // (inline_when_idle) and its delay is up; false, taking nothing, otherwise.
   bool TakeDueBatch(std::deque<Job>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -110,7 +118,8 @@ class Scheduler {
   // Engine threads held by batches computing in Submit: one for a small job,
   // all of them (max_inline_) for a batch of queued jobs.
   int inline_threads_ ABSL_GUARDED_BY(mu_) = 0;
-  bool dispatching_ ABSL_GUARDED_BY(mu_) = false;  // the dispatcher is computing
+  bool dispatching_ ABSL_GUARDED_BY(mu_) = false;       // the dispatcher is computing
+  bool dispatching_long_ ABSL_GUARDED_BY(mu_) = false;  // ... a batch of kLongBatchFlops or more
   std::thread dispatcher_;
 };
 

@@ -137,6 +137,10 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
         absl::StrCat("max_connection_age_seconds: ", options.max_connection_age_seconds,
                      " must be in [0, ", kMaxSeconds, "] (0 keeps connections)"));
   }
+  if (options.memory_budget_mb < 0 || options.memory_budget_mb > (int64_t{1} << 40)) {
+    return absl::InvalidArgumentError(absl::StrCat("memory_budget_mb: ", options.memory_budget_mb,
+                                                   " must be in [0, 2^40] (0: no limit)"));
+  }
   if (options.max_concurrent_streams < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_concurrent_streams: ", options.max_concurrent_streams, " must be >= 0 (0: no limit)"));
@@ -196,6 +200,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   service_options.max_queue = options.max_queue;
   service_options.max_batch_size = options.max_batch_size;
   service_options.max_queue_delay_us = options.max_queue_delay_us;
+  service_options.memory_budget_bytes = options.memory_budget_mb << 20;
   impl->service = std::make_unique<server::AttentionServiceImpl>(
       impl->engine.get(), impl->models.get(), impl->scheduler.get(), &impl->metrics,
       impl->auth.get(), service_options);

@@ -26,8 +26,8 @@ struct ServerOptions {
 
   // Admission and dynamic batching (a model's config.pbtxt may override the
   // batch size and delay).
-  int64_t max_queue = 1024;          // requests waiting for compute; more: RESOURCE_EXHAUSTED
-  int32_t max_batch_size = 32;       // requests per engine call; 1 turns batching off
+  int64_t max_queue = 1024;     // requests waiting for compute; more: RESOURCE_EXHAUSTED
+  int32_t max_batch_size = 32;  // requests per engine call; 1 turns batching off
   // Longest a request waits for others to join its batch. 0: a batch is
   // whatever queued while the engine was busy with the one before, so an
   // idle engine never waits.
@@ -68,6 +68,13 @@ struct ServerOptions {
   // keeps after it is freed back to the system (server/heap_trimmer.h), so
   // RSS falls back after a burst. 0: never.
   double malloc_trim_idle_seconds = 1;
+
+  // Memory all calls in flight may hold at once, in MiB: each call reserves
+  // its request, the engine's allocations and its answer from admission until
+  // it is answered; a call that would pass the budget is RESOURCE_EXHAUSTED.
+  // Leave room below the container's memory limit for the process itself and
+  // the engine's pool of freed output blocks (up to 512 MiB). 0: no limit.
+  int64_t memory_budget_mb = 1536;
   EngineOptions engine;
 };
 

@@ -5,6 +5,7 @@
 // flood of abandoned streams. After each, the server must still be serving:
 // health is SERVING and a good request succeeds.
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -820,7 +822,8 @@ TEST_F(HostileServerTest, ANanInAModelInputMakesThatRowNanAndNoOther) {
 // The engine's compute counted by the metrics: a refused call adds nothing.
 double ComputedCalls(AttentionServer& server) {
   const std::string text = server.metrics().RenderPrometheus();
-  const std::string name = "\nattention_latency_seconds_count{stage=\"compute\",method=\"Attend\"} ";
+  const std::string name =
+      "\nattention_latency_seconds_count{stage=\"compute\",method=\"Attend\"} ";
   const size_t at = text.find(name);
   return at == std::string::npos ? 0 : std::stod(text.substr(at + name.size()));
 }
@@ -869,9 +872,10 @@ TEST_F(CostLimitTest, TheComputeLimitCountsAnAdditiveScoresHiddenSize) {
   };
   EXPECT_THAT(client().Attend(additive(64)), IsOk());
   // 64 * 64 pairs * 8192 hidden units: over 1 GFLOP.
-  EXPECT_THAT(client().Attend(additive(8192)),
-              StatusIs(kExhausted, AllOf(HasSubstr("request: needs "),
-                                         HasSubstr("GFLOP of compute, over the limit of 1 GFLOP"))));
+  EXPECT_THAT(
+      client().Attend(additive(8192)),
+      StatusIs(kExhausted, AllOf(HasSubstr("request: needs "),
+                                 HasSubstr("GFLOP of compute, over the limit of 1 GFLOP"))));
 }
 
 TEST_F(CostLimitTest, ServerInfoReportsTheLimits) {
@@ -879,6 +883,79 @@ TEST_F(CostLimitTest, ServerInfoReportsTheLimits) {
   ASSERT_THAT(info, IsOk());
   EXPECT_EQ(info->limits().max_request_bytes(), EngineOptions().max_request_bytes);
   EXPECT_EQ(info->limits().max_request_gflop(), 1);
+}
+
+// A server-wide memory budget of 2 MiB.
+class MemoryBudgetServerTest : public ServerSuite<> {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options;
+    options.memory_budget_mb = 2;
+    StartSuiteServer(options);
+  }
+};
+
+TEST_F(MemoryBudgetServerTest, ACallThatWouldPassTheBudgetIsRefusedBeforeCompute) {
+  // 1.5 MiB of queries: held as received and as parsed, 3 MiB.
+  v1::AttendRequest request;
+  *request.mutable_query() = Ramp({1, 3072, 128});
+  const double computed = ComputedCalls(server_->server());
+  EXPECT_THAT(client().Attend(request),
+              StatusIs(kExhausted, AllOf(HasSubstr("memory: this call would hold "),
+                                         HasSubstr("more than the server's whole memory budget "
+                                                   "of 2.0 MiB (--memory_budget_mb)"))));
+  EXPECT_EQ(ComputedCalls(server_->server()), computed) << "the refused call was computed";
+  EXPECT_THAT(server_->server().metrics().RenderPrometheus(),
+              HasSubstr("\nattention_memory_reserved_bytes 0\n"))
+      << "the refused call holds memory";
+  *request.mutable_query() = Ramp({1, 8, 128});
+  EXPECT_THAT(client().Attend(request), IsOk());
+}
+
+TEST_F(MemoryBudgetServerTest, ServerInfoReportsTheBudget) {
+  absl::StatusOr<v1::ServerInfo> info = client().GetServerInfo();
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->limits().memory_budget_bytes(), 2 << 20);
+}
+
+// Calls started so far by the dispatcher or inline (batches, not requests).
+double BatchesStarted(AttentionServer& server) {
+  const std::string text = server.metrics().RenderPrometheus();
+  const std::string name = "\nattention_batch_size_count ";
+  const size_t at = text.find(name);
+  return at == std::string::npos ? 0 : std::stod(text.substr(at + name.size()));
+}
+
+// Regression: an additive score with a wide hidden layer computed for
+// seconds, and a small call sent meanwhile waited for all of it. Now it is
+// answered while the long call still computes.
+TEST(FairShareTest, ASmallCallIsAnsweredWhileALongCallComputes) {
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start();
+  ASSERT_THAT(server, IsOk());
+  v1::AttendRequest long_call;  // 256 x 256 pairs x 32768 hidden units: ~90 GFLOP
+  *long_call.mutable_query() = Ramp({1, 256, 4});
+  v1::Score* s = long_call.mutable_score();
+  s->set_kind(v1::Score::ADDITIVE);
+  *s->mutable_w_q() = Ramp({32768, 4});
+  *s->mutable_w_k() = Ramp({32768, 4});
+  *s->mutable_w_v() = Ramp({32768});
+  const double started = BatchesStarted((*server)->server());
+  std::atomic<bool> long_done{false};
+  absl::Status long_status;
+  std::thread caller([&] {
+    long_status = (*server)->client().Attend(long_call).status();
+    long_done = true;
+  });
+  // Until the long call computes (bounded: it fails the test past a minute).
+  for (int i = 0; i < 6000 && BatchesStarted((*server)->server()) == started; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  v1::AttendRequest small;
+  *small.mutable_query() = Ramp({1, 4, 8});
+  EXPECT_THAT((*server)->client().Attend(small), IsOk());
+  EXPECT_FALSE(long_done.load()) << "the small call waited for the long one";
+  caller.join();
+  EXPECT_THAT(long_status, IsOk());
 }
 
 // With default limits, long sequences without weights are answered: the
@@ -943,7 +1020,8 @@ TEST(LongSequenceTest, ACallPastItsDeadlineStopsComputing) {
   v1::AttendRequest request;
   *request.mutable_query() = Ramp({1, 32768, 64});
   const absl::Time start = absl::Now();
-  EXPECT_THAT((*caller)->Attend(request), StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));
+  EXPECT_THAT((*caller)->Attend(request),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));
   // The server stopped the work (it did not finish it and drop the answer).
   const std::string interrupted = R"(attention_interrupted_total{reason="deadline_exceeded"})";
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
@@ -952,7 +1030,9 @@ TEST(LongSequenceTest, ACallPastItsDeadlineStopsComputing) {
   }
   EXPECT_EQ(Counter((*server)->server(), interrupted), 1)
       << (*server)->server().metrics().RenderPrometheus();
-  EXPECT_EQ(Counter((*server)->server(), R"(attention_requests_total{method="Attend",model="",code="OK"})"), -1);
+  EXPECT_EQ(Counter((*server)->server(),
+                    R"(attention_requests_total{method="Attend",model="",code="OK"})"),
+            -1);
   EXPECT_THAT((*server)->client().Attend(ValidRequest()), IsOk());
   std::cerr << "interrupted call and the next one answered " << absl::Now() - start
             << " after the first was sent\n";

@@ -229,6 +229,7 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
                                   {"attention_batch_size", "histogram"},
                                   {"attention_queue_depth", "gauge"},
                                   {"attention_in_flight", "gauge"},
+                                  {"attention_memory_reserved_bytes", "gauge"},
                                   {"attention_engine_pooled_bytes", "gauge"},
                                   {"attention_malloc_trims_total", "counter"},
                                   {"attention_malloc_trim_seconds_total", "counter"},
@@ -237,6 +238,7 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
                               }));
   EXPECT_THAT(exposition.Value("attention_queue_depth"), Optional(0.0));
   EXPECT_THAT(exposition.Value("attention_in_flight"), Optional(0.0));
+  EXPECT_THAT(exposition.Value("attention_memory_reserved_bytes"), Optional(0.0));
   EXPECT_THAT(exposition.Value("attention_batch_size_count"), Optional(0.0));
   EXPECT_THAT(exposition.Value("attention_not_computed_total", {{"reason", "cancelled"}}),
               Optional(0.0));
@@ -404,6 +406,7 @@ TEST(MetricsTest, ConcurrentRecordingLosesNothing) {
                                {{"stage", "total"}, {"method", "Attend"}}),
               Optional(double{kThreads * kPerThread}));
   EXPECT_THAT(exposition.Value("attention_in_flight"), Optional(0.0));
+  EXPECT_THAT(exposition.Value("attention_memory_reserved_bytes"), Optional(0.0));
 }
 
 class MetricsServerTest : public ::testing::Test {

@@ -421,6 +421,7 @@ TEST(ServerOptionsTest, NegativeLimitsAreRefusedNamingTheOption) {
   const std::pair<const char*, std::function<void(ServerOptions&)>> cases[] = {
       {"max_concurrent_streams", [](ServerOptions& o) { o.max_concurrent_streams = -1; }},
       {"malloc_trim_idle_seconds", [](ServerOptions& o) { o.malloc_trim_idle_seconds = -1; }},
+      {"memory_budget_mb", [](ServerOptions& o) { o.memory_budget_mb = -1; }},
   };
   for (const auto& [option, set] : cases) {
     ServerOptions options;

@@ -144,7 +144,8 @@ TEST_F(SchedulerTest, AJobWhoseDeadlinePassesWhileQueuedIsNotComputed) {
   absl::SleepFor(absl::Milliseconds(5));  // let the deadline pass; not a synchronisation
   release.Notify();
   late.done.WaitForNotification();
-  EXPECT_THAT(late.result, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("in the queue")));
+  EXPECT_THAT(late.result,
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("in the queue")));
   EXPECT_EQ(not_computed, 1);
 }
 
@@ -223,6 +224,30 @@ TEST_F(SchedulerTest, ASmallJobWaitsItsTurnWhileTheEngineIsBusy) {
   EXPECT_THAT(small.result, testing::IsOk());
 }
 
+TEST_F(SchedulerTest, ASmallJobComputesInlineBesideALongBatch) {
+  // Regression: a small call waited for the whole of a long one (an additive
+  // score of seconds) because small jobs never computed beside the dispatcher.
+  Scheduler scheduler(engine_.get(), 8);
+  Outcome blocked, small;
+  absl::Notification started, release;
+  Job long_job = Blocker(&blocked, &started, &release);
+  long_job.flops = 1e12;
+  ASSERT_THAT(scheduler.Submit(std::move(long_job)), testing::IsOk());
+  started.WaitForNotification();
+  std::thread::id ran_on;
+  Job job = MakeJob(&small);
+  job.inline_when_idle = true;
+  job.done = Recording(&small, &ran_on);
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  EXPECT_TRUE(small.done.HasBeenNotified());  // answered while the long batch computes
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_THAT(small.result, testing::IsOk());
+  EXPECT_FALSE(blocked.done.HasBeenNotified());
+  release.Notify();
+  blocked.done.WaitForNotification();
+  EXPECT_THAT(blocked.result, testing::IsOk());
+}
+
 // Submits `job` from another thread and returns once Submit has: called
 // from a running job's `done`, it queues the job behind that one.
 void SubmitFromAnotherThread(Scheduler& scheduler, Job job) {
@@ -264,9 +289,8 @@ TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
   auto submitting = [&](Outcome* out, std::thread::id* on, Job& next) {
     Job job = MakeJob(out);
     job.inline_when_idle = true;
-    job.done = RecordingAfter(out, on, [&scheduler, &next] {
-      SubmitFromAnotherThread(scheduler, std::move(next));
-    });
+    job.done = RecordingAfter(
+        out, on, [&scheduler, &next] { SubmitFromAnotherThread(scheduler, std::move(next)); });
     return job;
   };
   Job big = MakeJob(&large);  // not inline_when_idle: too much work for a gRPC thread
