@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# attention_loadtest's own targets (README "Load testing"): its CPU use at the
-# server's saturation point (< 30% of the machine) and how closely its open
-# loop holds the rate it is given (within 1%) up to the server's capacity.
+# attention_loadtest's own targets (docs/loadtest.md; the figures are in
+# docs/benchmarks.md): its CPU use at the server's saturation point (< 30% of
+# the machine) and how closely its open loop holds the rate it is given
+# (within 1%) up to the server's capacity.
 # Starts attention_server on a free port of 127.0.0.1 (serving models/) and,
 # for each transport (--transport grpc, then h2), finds the server's capacity
 # with a closed loop of 64 callers on the demo model and runs open loops at

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Soak test (README "Reliability"): one attention_server under MINUTES of mixed
-# traffic at 70% of its measured capacity, watching for errors, memory growth
-# and leaked file descriptors.
+# Soak test (docs/reliability.md, "Soak"): one attention_server under MINUTES
+# of mixed traffic at 70% of its measured capacity, watching for errors,
+# memory growth and leaked file descriptors.
 #
 #   valid      model demo (50% of the calls) and raw B1 H4 L=S=16 E=64 (30%)
 #   invalid    a request whose tensor bytes do not match its shape (10%):
@@ -93,9 +93,9 @@ max_in_flight=200
 # The testers use gRPC's client (--transport grpc), as every soak did before
 # the h2 transport existed. With h2 testers the server's RSS stepped up in 2
 # of 5 one-minute runs (+4.1%, +7.8%; 0 of 3 with grpc the same day): the
-# glibc heap growth README "Reliability" describes, set off more often by
-# that client's traffic. The check would then fail at random; the finding is
-# in the README.
+# glibc heap growth docs/serving.md ("Memory") describes, set off more often
+# by that client's traffic. The check would then fail at random; the finding
+# is in docs/benchmarks.md ("Decisions").
 tester_transport=grpc
 
 # start_mix SECONDS PREFIX: the four classes as open loops in the background,
