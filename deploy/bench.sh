@@ -4,6 +4,8 @@
 #   bash deploy/bench.sh [ARGS]          attention_bench ARGS, then attention_server_bench
 #   bash deploy/bench.sh engine [ARGS]   attention_bench ARGS only
 #   bash deploy/bench.sh server [ARGS]   attention_server_bench ARGS only
+#   bash deploy/bench.sh cost           cost_model_check: the cost model against
+#                                        measured time and peak RSS per score kind
 #   bash deploy/bench.sh loadtest [SECS] attention_loadtest's own CPU use and rate
 #                                        accuracy up to the server's capacity
 #                                        (deploy/loadtest_bench.sh)
@@ -12,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 which=all
 case "${1:-}" in
-  engine | server | loadtest) which=$1; shift ;;
+  engine | server | cost | loadtest) which=$1; shift ;;
 esac
 
 bash deploy/install-deps.sh
@@ -20,6 +22,7 @@ cmake -S . -B build-release -G Ninja -DCMAKE_BUILD_TYPE=Release
 case "$which" in
   engine) targets=(attention_bench) ;;
   server) targets=(attention_server_bench) ;;
+  cost) targets=(cost_model_check) ;;
   loadtest) targets=(attention_server attention_cli attention_loadtest) ;;
   *) targets=(attention_bench attention_server_bench) ;;
 esac
@@ -27,6 +30,7 @@ cmake --build build-release -j2 --target "${targets[@]}"
 case "$which" in
   engine) build-release/attention_bench "$@" ;;
   server) build-release/attention_server_bench "$@" ;;
+  cost) build-release/cost_model_check ;;
   loadtest)
     bash deploy/loadtest_bench.sh build-release/attention_server build-release/attention_cli \
       build-release/attention_loadtest "$@"
