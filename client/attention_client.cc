@@ -18,7 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 #include "grpc/grpc.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"

@@ -21,7 +21,7 @@
 #include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/tensors.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/util/json_util.h"
 

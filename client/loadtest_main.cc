@@ -1,4 +1,4 @@
-// attention_loadtest: load tests an attention service. README "Load testing";
+// attention_loadtest: load tests an attention service. docs/loadtest.md;
 // --help lists the flags. main() only turns flags into a LoadtestConfig.
 
 #include <unistd.h>

@@ -10,16 +10,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "engine/half.h"
-#include "engine/status_macros.h"
+#include "common/half.h"
+#include "common/shape_string.h"
+#include "common/status_macros.h"
 
 namespace attention::client {
 namespace {
-
-template <typename Shape>
-std::string ShapeString(const Shape& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
 
 // Product of the dims; INVALID_ARGUMENT for a negative dim or an overflow.
 template <typename Shape>

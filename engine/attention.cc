@@ -13,13 +13,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
-
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/half.h"
+#include "absl/synchronization/mutex.h"
+#include "common/half.h"
+#include "common/shape_string.h"
+#include "common/status_macros.h"
 #include "engine/internal.h"
-#include "engine/status_macros.h"
 
 namespace attention {
 
@@ -178,10 +178,16 @@ bool IsFloat(DType d) {
   return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
 }
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) absl::StrAppend(&s, i ? ", " : "", shape[i]);
-  return s + "]";
+std::vector<int64_t> OutputShape(const AttentionArgs& args, const AttentionShape& s) {
+  const int64_t B = s.batch, H = s.heads, L = s.query_len, Dv = s.value_dim;
+  if (s.rank4) return {B, H, L, Dv};
+  if (args.layout == Layout::kBatchFirst) return {B, L, H * Dv};
+  return {L, B, H * Dv};
+}
+
+std::vector<int64_t> WeightsShape(const AttentionArgs& args, const AttentionShape& s) {
+  if (args.average_weights) return {s.batch, s.query_len, s.key_len};
+  return {s.batch, s.heads, s.query_len, s.key_len};
 }
 
 absl::StatusOr<int64_t> CheckedElementCount(const std::vector<int64_t>& shape,
@@ -280,9 +286,10 @@ double EffectiveScale(const ScoreSpec& score, int64_t query_dim) {
 // Checks dtype, rank, dims >= 1, overflow and byte count of a present view.
 absl::Status CheckView(const TensorView& v, const std::string& field, Allowed allowed,
                        std::initializer_list<size_t> ranks) {
-  bool dtype_ok = allowed == Allowed::kInteger
-                      ? (v.dtype == DType::kInt32 || v.dtype == DType::kInt64)
-                      : IsFloat(v.dtype) || (allowed == Allowed::kFloatOrBool && v.dtype == DType::kBool);
+  bool dtype_ok =
+      allowed == Allowed::kInteger
+          ? (v.dtype == DType::kInt32 || v.dtype == DType::kInt64)
+          : IsFloat(v.dtype) || (allowed == Allowed::kFloatOrBool && v.dtype == DType::kBool);
   if (!dtype_ok) {
     const char* want = allowed == Allowed::kFloat         ? "FLOAT32, BFLOAT16 or FLOAT16"
                        : allowed == Allowed::kFloatOrBool ? "BOOL, FLOAT32, BFLOAT16 or FLOAT16"
@@ -315,16 +322,16 @@ absl::Status CheckView(const TensorView& v, const std::string& field, Allowed al
         absl::StrCat(field, ": shape ", ShapeString(v.shape), " has too many elements"));
   }
   if (v.data == nullptr || static_cast<uint64_t>(bytes) != v.size_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": data has ", v.data ? v.size_bytes : 0, " bytes; shape ", ShapeString(v.shape),
-        " of ", DTypeName(v.dtype), " needs ", bytes));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": data has ", v.data ? v.size_bytes : 0,
+                                                   " bytes; shape ", ShapeString(v.shape), " of ",
+                                                   DTypeName(v.dtype), " needs ", bytes));
   }
   if (v.dtype == DType::kBool) {
     const auto* p = static_cast<const uint8_t*>(v.data);
     for (size_t i = 0; i < v.size_bytes; ++i) {
       if (p[i] > 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ": BOOL element ", i, " is ", static_cast<int>(p[i]), "; want 0 or 1"));
+        return absl::InvalidArgumentError(absl::StrCat(field, ": BOOL element ", i, " is ",
+                                                       static_cast<int>(p[i]), "; want 0 or 1"));
       }
     }
   }
@@ -337,7 +344,6 @@ namespace {
 
 using internal::Allowed;
 using internal::CheckView;
-using internal::ShapeString;
 
 const char* ScoreName(ScoreKind kind) {
   switch (kind) {
@@ -360,13 +366,13 @@ const char* ScoreName(ScoreKind kind) {
 }
 
 // `got` must equal `want`, or be 1 when `broadcast` allows it.
-absl::Status CheckDim(const std::string& field, const TensorView& v, size_t dim,
-                      const char* what, int64_t want, bool broadcast) {
+absl::Status CheckDim(const std::string& field, const TensorView& v, size_t dim, const char* what,
+                      int64_t want, bool broadcast) {
   int64_t got = v.shape[dim];
   if (got == want || (broadcast && got == 1)) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": shape ", ShapeString(v.shape), " dim ", dim, " is ", got,
-                   "; want ", what, " = ", want, broadcast ? " (or 1 to broadcast)" : ""));
+  return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(v.shape), " dim ",
+                                                 dim, " is ", got, "; want ", what, " = ", want,
+                                                 broadcast ? " (or 1 to broadcast)" : ""));
 }
 
 absl::Status CheckFinite(const std::string& field, double x) {
@@ -389,8 +395,8 @@ absl::Status CheckScore(const ScoreSpec& s, const AttentionShape& shape) {
                 {"score.w", s.w, bilinear}};
   for (const auto& p : params) {
     if (p.view.present() && !p.used) {
-      return absl::InvalidArgumentError(absl::StrCat(p.field, ": is not used by score ",
-                                                     ScoreName(s.kind), "; leave it unset"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(p.field, ": is not used by score ", ScoreName(s.kind), "; leave it unset"));
     }
     if (!p.view.present() && p.used) {
       return absl::InvalidArgumentError(
@@ -398,8 +404,8 @@ absl::Status CheckScore(const ScoreSpec& s, const AttentionShape& shape) {
     }
   }
   if (s.bandwidth && !gaussian) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "score.bandwidth: is not used by score ", ScoreName(s.kind), "; leave it unset"));
+    return absl::InvalidArgumentError(absl::StrCat("score.bandwidth: is not used by score ",
+                                                   ScoreName(s.kind), "; leave it unset"));
   }
   if (s.bandwidth) ATTN_RETURN_IF_ERROR(CheckFinite("score.bandwidth", *s.bandwidth));
 
@@ -512,13 +518,13 @@ absl::StatusOr<AttentionShape> ResolveShape(const AttentionArgs& args) {
                        " heads (rank-4 inputs carry their heads; leave num_heads unset)"));
     }
     if (v.shape[1] != s.kv_heads) {
-      return absl::InvalidArgumentError(absl::StrCat("value: ", v.shape[1],
-                                                     " heads do not match key's ", s.kv_heads));
+      return absl::InvalidArgumentError(
+          absl::StrCat("value: ", v.shape[1], " heads do not match key's ", s.kv_heads));
     }
     if (s.heads % s.kv_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "key: ", s.kv_heads, " heads do not divide query's ", s.heads,
-          " heads (grouped-query attention needs H to be a multiple of Hk)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("key: ", s.kv_heads, " heads do not divide query's ", s.heads,
+                       " heads (grouped-query attention needs H to be a multiple of Hk)"));
     }
   } else {
     const bool bf = args.layout == Layout::kBatchFirst;
@@ -537,9 +543,8 @@ absl::StatusOr<AttentionShape> ResolveShape(const AttentionArgs& args) {
                   {"value", v.shape[2], &s.value_dim}};
     for (const auto& sp : splits) {
       if (sp.dim % s.heads != 0) {
-        return absl::InvalidArgumentError(absl::StrCat("num_heads: ", s.heads,
-                                                       " does not divide ", sp.field,
-                                                       "'s last dim ", sp.dim));
+        return absl::InvalidArgumentError(absl::StrCat("num_heads: ", s.heads, " does not divide ",
+                                                       sp.field, "'s last dim ", sp.dim));
       }
       *sp.per_head = sp.dim / s.heads;
     }

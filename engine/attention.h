@@ -118,7 +118,7 @@ struct MaskSpec {
   int64_t unmasked_tail = 0;
 };
 
-// One attention call; the semantics are those of README "Semantics".
+// One attention call; the semantics are those of docs/api.md, "Semantics".
 struct AttentionArgs {
   TensorView query;
   TensorView key;    // absent: key = query

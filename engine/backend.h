@@ -37,8 +37,8 @@ class ComputeBackend {
  public:
   virtual ~ComputeBackend() = default;
   // Runs every call in one pass over the compute threads; one result per call.
-  // Called from the engine's compute thread only, so implementations may keep
-  // unsynchronised caches.
+  // Called from several threads at once (Engine::AttendBatchFromThisThread), so
+  // what passes share (caches of primitives and buffers) must be locked.
   virtual std::vector<absl::StatusOr<AttentionResult>> RunBatch(
       absl::Span<const BackendCall> calls) = 0;
   // Runs every job in one pass over the compute threads.

@@ -95,8 +95,8 @@ CallCost LayerCallCost(const MultiheadAttention& layer, const AttentionArgs& a, 
                        int64_t query_len, int64_t kv_len, int64_t extra_keys, int threads) {
   const MultiheadConfig& c = layer.config();
   const double e = static_cast<double>(c.embed_dim);
-  const double kdim = static_cast<double>(c.kdim > 0 ? c.kdim : c.embed_dim);
-  const double vdim = static_cast<double>(c.vdim > 0 ? c.vdim : c.embed_dim);
+  const double kdim = static_cast<double>(c.key_dim());
+  const double vdim = static_cast<double>(c.value_dim());
   const double q_rows = static_cast<double>(batch) * static_cast<double>(query_len);
   const double kv_rows = static_cast<double>(batch) * static_cast<double>(kv_len);
   const double keys = static_cast<double>(batch) * static_cast<double>(kv_len + extra_keys);

@@ -2,7 +2,7 @@
 #define ATTENTION_ENGINE_COST_H_
 
 // What one engine call will cost, from its shapes and score parameters alone:
-// computed once per call before any work (Engine::Validate), and used by the
+// computed once per call before any work (Engine::CostOf), and used by the
 // engine's limits, the server's choice of where a call computes, and its
 // answer-size check.
 
@@ -40,8 +40,8 @@ namespace internal {
 // score (an add, a tanh and a multiply-add), per pair and dimension of a
 // negative Euclidean score (scalar code), and per pair of the online softmax
 // (max, exp, sum, rescale): chosen so that every kind computes about as many
-// of the model's flops per second as a scaled-dot call does (README
-// "Admission control" has the figures).
+// of the model's flops per second as a scaled-dot call does (cost_model_check
+// holds them within 3x; docs/benchmarks.md, "Cost model", has the figures).
 inline constexpr double kAdditiveFlopsPerHidden = 40;
 inline constexpr double kNegEuclideanFlopsPerDim = 10;
 inline constexpr double kSoftmaxFlopsPerScore = 10;

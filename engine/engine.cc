@@ -13,12 +13,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/status_macros.h"
 #include "engine/backend.h"
 #include "engine/internal.h"
+#include "engine/layer_forward.h"
 #include "engine/multihead.h"
-#include "engine/multihead_plan.h"
 #include "engine/reference.h"
-#include "engine/status_macros.h"
 
 namespace attention {
 namespace {
@@ -146,8 +146,9 @@ absl::StatusOr<CallCost> CheckRawLimits(const AttentionArgs& args, const Attenti
 
 }  // namespace
 
-// One compute thread runs every call, in arrival order; the backend's own
-// parallelism (OpenMP) fans out from that thread only.
+// The worker thread runs every Attend / AttendBatch, in arrival order, and the
+// backend's parallelism (OpenMP) fans out from it. AttendBatchFromThisThread
+// bypasses it: its caller's thread leads the OpenMP team instead.
 struct Engine::Impl {
   std::unique_ptr<internal::ComputeBackend> backend;
 
@@ -234,7 +235,7 @@ absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const 
   return std::move(AttendBatch({&call, 1}).front());
 }
 
-absl::StatusOr<CallCost> Engine::Validate(const EngineCall& call) const {
+absl::StatusOr<CallCost> Engine::CostOf(const EngineCall& call) const {
   if (call.layer != nullptr) {
     ATTN_ASSIGN_OR_RETURN(internal::LayerPlan plan, internal::PlanLayer(*call.layer, *call.args));
     return CheckLayerLimits(*call.args, plan, *call.layer, CostThreads(), options_);
@@ -245,16 +246,16 @@ absl::StatusOr<CallCost> Engine::Validate(const EngineCall& call) const {
 
 std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatch(
     absl::Span<const EngineCall> calls) const {
-  return Batch(calls, /*on_this_thread=*/false);
+  return Batch(calls, /*from_this_thread=*/false);
 }
 
-std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatchOnThisThread(
+std::vector<absl::StatusOr<AttentionResult>> Engine::AttendBatchFromThisThread(
     absl::Span<const EngineCall> calls) const {
-  return Batch(calls, /*on_this_thread=*/true);
+  return Batch(calls, /*from_this_thread=*/true);
 }
 
 std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const EngineCall> calls,
-                                                           bool on_this_thread) const {
+                                                           bool from_this_thread) const {
   const size_t n = calls.size();
   std::vector<absl::StatusOr<AttentionResult>> results(n);
   std::vector<std::optional<internal::LayerPlan>> plans(n);
@@ -360,7 +361,7 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       }
     }
   };
-  if (on_this_thread) {
+  if (from_this_thread) {
     compute();
   } else {
     impl_->RunOnWorker(compute);

@@ -35,8 +35,7 @@ enum class Backend {
 
 struct EngineOptions {
   Backend backend = Backend::kOneDnn;
-  // Compute threads; 0 means one per core. All calls run on these threads
-  // (one owner of the cores), one call at a time.
+  // Threads one pass of a call may use (an OpenMP team); 0 means one per core.
   int threads = 0;
   // Largest element count of any one input tensor; 0 means no limit.
   int64_t max_tensor_elements = int64_t{1} << 28;
@@ -52,9 +51,12 @@ struct EngineOptions {
   double max_request_flops = 2e12;
 };
 
-// Computes attention. Thread-safe: Attend may be called from many threads;
-// calls run one at a time on the engine's own compute threads, so concurrent
-// callers never oversubscribe the cores.
+// Computes attention. Thread-safe. Attend and AttendBatch, from any number of
+// threads, run one at a time on the engine's worker thread, so their callers
+// never oversubscribe the cores. AttendBatchFromThisThread computes on its
+// caller's thread instead, and several may run at once: a caller that uses it
+// (the server's scheduler) decides what computes beside what. The backend
+// locks what its passes share (its caches of oneDNN primitives and buffers).
 class Engine {
  public:
   // Starts the compute threads. INVALID_ARGUMENT for inconsistent options.
@@ -74,8 +76,9 @@ class Engine {
   // between its projections). Masks of a layer call are checked once its
   // projections exist, so only by AttendBatch.
   // Returns the call's cost (engine/cost.h), by which a scheduler can tell a
-  // small call from a large one and a server the size of its answer.
-  absl::StatusOr<CallCost> Validate(const EngineCall& call) const;
+  // small call from a large one and a server the size of its answer. A layer
+  // call is planned to be checked, which copies its 16-bit inputs as float32.
+  absl::StatusOr<CallCost> CostOf(const EngineCall& call) const;
 
   // Runs several calls as one engine call (dynamic batching): they share each
   // pass over the compute threads, while every call is split into work exactly
@@ -84,11 +87,12 @@ class Engine {
   std::vector<absl::StatusOr<AttentionResult>> AttendBatch(
       absl::Span<const EngineCall> calls) const;
 
-  // AttendBatch computed on the calling thread instead of the engine's own,
-  // saving two thread hand-offs per call. For a caller that is the only source
-  // of engine work (the server's scheduler): the engine's threads then fan out
-  // from that thread, and concurrent callers would oversubscribe the cores.
-  std::vector<absl::StatusOr<AttentionResult>> AttendBatchOnThisThread(
+  // AttendBatch without the hand-off to the worker thread and back: the
+  // calling thread leads the pass, fanning out to up to options().threads
+  // OpenMP threads (one, for a small pass). Calls from several threads at once
+  // compute at once, each with its own team: for a caller that decides what
+  // runs beside what (the server's scheduler), not for concurrent callers.
+  std::vector<absl::StatusOr<AttentionResult>> AttendBatchFromThisThread(
       absl::Span<const EngineCall> calls) const;
 
   const EngineOptions& options() const { return options_; }
@@ -106,7 +110,7 @@ class Engine {
   int CostThreads() const;
   Engine(const EngineOptions& options, std::unique_ptr<Impl> impl);
   std::vector<absl::StatusOr<AttentionResult>> Batch(absl::Span<const EngineCall> calls,
-                                                     bool on_this_thread) const;
+                                                     bool from_this_thread) const;
   EngineOptions options_;
   std::unique_ptr<Impl> impl_;
 };

@@ -8,7 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/half.h"
+#include "common/half.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace attention {

@@ -9,18 +9,22 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/shape_string.h"
 #include "engine/attention.h"
 
 namespace attention::internal {
-
-// "[2, 3, 4]"
-std::string ShapeString(const std::vector<int64_t>& shape);
 
 // Product of `shape`, or INVALID_ARGUMENT naming `field` when it overflows int64.
 absl::StatusOr<int64_t> CheckedElementCount(const std::vector<int64_t>& shape,
                                             const std::string& field);
 
 bool IsFloat(DType dtype);
+
+// The output of a call of resolved shape `s`: [B, H, L, Dv] for rank-4 inputs,
+// else [B, L, H*Dv] batch-first or [L, B, H*Dv] sequence-first.
+std::vector<int64_t> OutputShape(const AttentionArgs& args, const AttentionShape& s);
+// Its weights: [B, L, S] averaged over the heads, [B, H, L, S] otherwise.
+std::vector<int64_t> WeightsShape(const AttentionArgs& args, const AttentionShape& s);
 
 enum class Allowed { kFloat, kFloatOrBool, kInteger };
 

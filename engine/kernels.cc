@@ -3,7 +3,7 @@
 #include <cstring>
 #include <limits>
 
-#include "engine/half.h"
+#include "common/half.h"
 
 // Each hot loop is compiled twice, for AVX-512 (x86-64-v4) and for any
 // x86-64, and the loader picks one for the CPU it runs on. Not under TSan:

@@ -14,14 +14,6 @@
 
 namespace attention {
 
-namespace internal {
-struct LayerPlan;
-std::vector<struct LinearJob> InputProjections(LayerPlan& plan);
-void BuildInner(LayerPlan& plan);
-struct LinearJob OutputProjection(const LayerPlan& plan, const FloatBuffer& attention_out,
-                                  FloatBuffer& out);
-}  // namespace internal
-
 // The constructor arguments of torch.nn.MultiheadAttention, plus the score the
 // layer uses between its projections (torch's is scaled_dot).
 struct MultiheadConfig {
@@ -34,6 +26,10 @@ struct MultiheadConfig {
   bool add_zero_attn = false;
   // Only parameter-free kinds (no w_q / w_k / w_v / w); bandwidth for kGaussian.
   ScoreSpec score;
+
+  // The last dims of key and value: kdim and vdim, or embed_dim when 0.
+  int64_t key_dim() const { return kdim > 0 ? kdim : embed_dim; }
+  int64_t value_dim() const { return vdim > 0 ? vdim : embed_dim; }
 };
 
 // torch state_dict entries by torch's key name ("in_proj_weight", "out_proj.bias", ...).
@@ -68,16 +64,12 @@ class MultiheadAttention {
   absl::StatusOr<AttentionResult> Forward(const Engine& engine, const AttentionArgs& args) const;
 
   const MultiheadConfig& config() const { return config_; }
+  // The weight named `key` (a torch state_dict key); null if the config has none.
+  const Tensor* weight(const std::string& key) const;
 
  private:
-  friend std::vector<internal::LinearJob> internal::InputProjections(internal::LayerPlan&);
-  friend void internal::BuildInner(internal::LayerPlan&);
-  friend internal::LinearJob internal::OutputProjection(const internal::LayerPlan&,
-                                                        const FloatBuffer&, FloatBuffer&);
-
   MultiheadAttention(const MultiheadConfig& config, StateDict weights)
       : config_(config), weights_(std::move(weights)) {}
-  const Tensor* Find(const std::string& key) const;
 
   MultiheadConfig config_;
   StateDict weights_;

@@ -30,7 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "engine/backend.h"
 #include "engine/cost.h"
-#include "engine/half.h"
+#include "common/half.h"
 #include "engine/internal.h"
 #include "engine/kernels.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -691,7 +691,7 @@ void FusedBlock(const Problem& p, MatmulCache& cache, ThreadContext& t, Attentio
       for (int64_t r = 0; r < m; ++r) {
         float* row = t.scores.data() + r * kKeyBlock;
         const float block_max = RowMax(row, n);
-        // NaN sticks: once a row has seen one, it is NaN (README "Errors").
+        // NaN sticks: once a row has seen one, it is NaN (docs/errors.md, "Non-finite numbers").
         const float new_max = std::isnan(block_max) || std::isnan(t.row_max[r])
                                   ? std::numeric_limits<float>::quiet_NaN()
                                   : std::max(t.row_max[r], block_max);
@@ -912,12 +912,11 @@ class OneDnnBackend final : public ComputeBackend {
   // Rows per projection matmul: fixed, so a call's rows are split the same
   // way whether or not it is batched.
   static constexpr int64_t kLinearRows = 256;
-  // Below this much work (about 0.3 ms on one core) a pass runs on the
-  // compute thread alone. A pass ends when its slowest thread does, and on a
-  // machine whose cores also run gRPC a team member can wait milliseconds to
-  // be scheduled: a batch of 26 small calls took 13 ms on 2 threads while the
-  // other core was busy, 0.8 ms on one. Work items, and so results, are the
-  // same either way.
+  // Below this much work (a fraction of a millisecond on one core) a pass
+  // runs on the compute thread alone. A pass ends when its slowest thread
+  // does, and on a machine whose cores also run gRPC a team member can wait
+  // milliseconds to be scheduled, far longer than such a pass takes alone.
+  // Work items, and so results, are the same either way.
   static constexpr double kParallelFlops = 3e7;
 
   // OpenMP threads for a pass of `flops`, set on the calling thread: oneDNN
@@ -957,20 +956,13 @@ class OneDnnBackend final : public ComputeBackend {
     p = Prepare(a, s, cpu_bf16_, storage);
     const int64_t B = s.batch, H = s.heads, L = s.query_len, S = s.key_len, Dv = s.value_dim;
     AttentionResult result;
-    if (s.rank4) {
-      result.output.shape = {B, H, L, Dv};
-    } else if (a.layout == attention::Layout::kBatchFirst) {
-      result.output.shape = {B, L, H * Dv};
-    } else {
-      result.output.shape = {L, B, H * Dv};
-    }
+    result.output.shape = OutputShape(a, s);
     TensorView out_view;
     out_view.shape = result.output.shape;
     p.out_ix = MakeHeadIndexer(out_view, a.layout, s.rank4, H, Dv);
     result.output.data.resize(static_cast<size_t>(B * H * L * Dv));
     if (a.need_weights) {
-      result.weights.shape =
-          a.average_weights ? std::vector<int64_t>{B, L, S} : std::vector<int64_t>{B, H, L, S};
+      result.weights.shape = WeightsShape(a, s);
       result.weights.data.resize(static_cast<size_t>(B * (a.average_weights ? 1 : H) * L * S));
     }
     layout.blocks = (L + kQueryBlock - 1) / kQueryBlock;

@@ -4,9 +4,9 @@
 #include <limits>
 #include <vector>
 
+#include "common/status_macros.h"
 #include "engine/backend.h"
 #include "engine/internal.h"
-#include "engine/status_macros.h"
 
 namespace attention::internal {
 namespace {
@@ -212,20 +212,13 @@ AttentionResult ReferenceAttend(const AttentionArgs& args, const AttentionShape&
 
   AttentionResult result;
   TensorView out_view;
-  if (s.rank4) {
-    result.output.shape = {B, H, L, Dv};
-  } else if (args.layout == Layout::kBatchFirst) {
-    result.output.shape = {B, L, H * Dv};
-  } else {
-    result.output.shape = {L, B, H * Dv};
-  }
+  result.output.shape = OutputShape(args, s);
   out_view.shape = result.output.shape;
   const HeadIndexer oix = MakeHeadIndexer(out_view, args.layout, s.rank4, H, Dv);
   result.output.data.assign(static_cast<size_t>(B * H * L * Dv), 0.0f);
 
   if (args.need_weights) {
-    result.weights.shape =
-        args.average_weights ? std::vector<int64_t>{B, L, S} : std::vector<int64_t>{B, H, L, S};
+    result.weights.shape = WeightsShape(args, s);
     result.weights.data.assign(static_cast<size_t>(B * (args.average_weights ? 1 : H) * L * S),
                                0.0f);
   }

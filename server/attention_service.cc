@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 #include "server/convert.h"
 #include "server/response_encoder.h"
 #include "spdlog/spdlog.h"
@@ -21,7 +21,7 @@
 namespace attention::server {
 namespace {
 
-// Calls up to this much work (about 20 us on one core) compute on the gRPC
+// Calls up to this much work (tens of microseconds on one core) compute on the gRPC
 // thread that received them when an engine thread is free (Job::inline_when_idle):
 // for them the hand-offs to the scheduler's thread and back cost more than
 // the math, and a gRPC thread is never held for long.
@@ -201,7 +201,7 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
   // Refused before admission: a bad request takes no queue slot.
   ATTN_ASSIGN_OR_RETURN(
       const CallCost cost, OutOfMemoryAsStatus("request validation", [&] {
-        return engine_->Validate({&args, job.model ? job.model->layer.get() : nullptr});
+        return engine_->CostOf({&args, job.model ? job.model->layer.get() : nullptr});
       }));
   ATTN_RETURN_IF_ERROR(CheckAnswerSize(cost, job.request->output_dtype));
   // Held until answered: the request as received and as parsed, the

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 
 namespace attention::server {
 namespace {

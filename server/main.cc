@@ -118,8 +118,7 @@ int main(int argc, char** argv) {
   // Two malloc arenas, unless the environment says otherwise. glibc gives
   // threads their own arenas (up to 8 per core), and memory freed in one
   // cannot serve another: as gRPC's threads, which also compute small calls,
-  // came and went, RSS rose in steps (+24% in a minute of soak.sh at 12k
-  // calls/s); with two it stayed flat, and lower.
+  // come and go, RSS would rise in steps (docs/benchmarks.md, "Decisions").
   if (std::getenv("MALLOC_ARENA_MAX") == nullptr) mallopt(M_ARENA_MAX, 2);
   // absl::Mutex's deadlock detection (on in Debian's build) keeps a lock
   // graph on every Lock: a cost on each call's path. The tests keep it on.

@@ -6,7 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "server/files.h"
@@ -88,8 +88,8 @@ absl::StatusOr<Model> BuildModel(v1::ModelConfig config, StateDict weights,
   ATTN_ASSIGN_OR_RETURN(mc.score.kind, ModelScoreKind(score.kind(), source));
   if (score.has_scale()) mc.score.scale = score.scale();
   if (score.has_bandwidth()) mc.score.bandwidth = score.bandwidth();
-  config.set_kdim(mc.kdim ? mc.kdim : mc.embed_dim);
-  config.set_vdim(mc.vdim ? mc.vdim : mc.embed_dim);
+  config.set_kdim(mc.key_dim());
+  config.set_vdim(mc.value_dim());
   config.set_bias(mc.bias);
   auto layer = MultiheadAttention::Create(mc, std::move(weights));
   if (!layer.ok()) {

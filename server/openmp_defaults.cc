@@ -11,10 +11,9 @@
 namespace attention::server {
 
 // Why it matters: unless told otherwise, libgomp has each thread spin for
-// about 300,000 pause loops (1 to 15 ms, depending on the CPU) after every
-// parallel pass. Under a steady stream of medium calls (B1 H8 L=S=128 D64)
-// that kept one of a 2-core machine's cores spinning, and the server's QPS
-// fell to 0.6x a bare gRPC echo's.
+// milliseconds after every parallel pass, so under a steady stream of medium
+// calls one core of a small machine spins rather than serving gRPC
+// (docs/benchmarks.md, "Decisions").
 //
 // Why not earlier than main: an executable's .preinit_array runs before the
 // libraries' constructors, but glibc's own initialisation, which comes after

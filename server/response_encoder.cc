@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "engine/half.h"
-#include "engine/status_macros.h"
+#include "common/half.h"
+#include "common/status_macros.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 

@@ -7,8 +7,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/half.h"
-#include "engine/status_macros.h"
+#include "common/half.h"
+#include "common/shape_string.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "server/files.h"
 
@@ -37,12 +38,6 @@ float LoadElement(const char* p, const std::string& dtype) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return dtype == "BF16" ? BFloat16ToFloat(h) : Float16ToFloat(h);
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) absl::StrAppend(&s, i ? ", " : "", shape[i]);
-  return s + "]";
 }
 
 absl::StatusOr<Entry> ParseEntry(const std::string& key, const nlohmann::json& j,

@@ -40,8 +40,8 @@ absl::Status Scheduler::Submit(Job job) {
     }
     job.enqueued = absl::Now();
     if (job.inline_when_idle && (!dispatching_ || dispatching_long_) &&
-        inline_threads_ < max_inline_ && queue_.empty()) {
-      ++inline_threads_;
+        threads_held_inline_ < max_inline_ && queue_.empty()) {
+      ++threads_held_inline_;
       run_here = true;
     } else {
       ++queued_per_key_[job.batch_key];
@@ -61,14 +61,14 @@ absl::Status Scheduler::Submit(Job job) {
         absl::MutexLock lock(&mu_);
         // Only a thread computing alone goes on: the last inline one to
         // finish, or the dispatcher, takes whatever is left.
-        if (taken == kMaxBatchesAfterInline || inline_threads_ > held || dispatching_ ||
+        if (taken == kMaxBatchesAfterInline || threads_held_inline_ > held || dispatching_ ||
             !TakeDueBatch(batch)) {
-          inline_threads_ -= held;
+          threads_held_inline_ -= held;
           break;
         }
         // A batch of small jobs may be large enough for all the engine's
         // threads: while it computes, no other job starts inline.
-        held = inline_threads_ = max_inline_;
+        held = threads_held_inline_ = max_inline_;
         depth = static_cast<int64_t>(queue_.size());
       }
       if (hooks_.queue_depth) hooks_.queue_depth(depth);
@@ -116,7 +116,7 @@ void Scheduler::Loop() {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](Scheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-            return s->inline_threads_ == 0 && (s->stopping_ || !s->queue_.empty());
+            return s->threads_held_inline_ == 0 && (s->stopping_ || !s->queue_.empty());
           },
           this));
       if (queue_.empty()) return;  // stopping, and nothing left to run
@@ -212,7 +212,7 @@ void Scheduler::Run(std::deque<Job>& batch) {
   }
   // The dispatcher is the server's one source of engine work: it computes
   // itself rather than handing each batch to the engine's thread and back.
-  std::vector<absl::StatusOr<AttentionResult>> results = engine_->AttendBatchOnThisThread(calls);
+  std::vector<absl::StatusOr<AttentionResult>> results = engine_->AttendBatchFromThisThread(calls);
   JobTiming timing;
   timing.compute_us = absl::ToInt64Microseconds(absl::Now() - start);
   timing.batch_size = static_cast<int32_t>(calls.size());

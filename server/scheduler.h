@@ -60,7 +60,7 @@ struct SchedulerHooks {
 
 // Dynamic batching with admission control: a bounded FIFO of jobs and one
 // dispatcher thread that packs jobs of the same batch key into one engine
-// call, which it computes itself (Engine::AttendBatchOnThisThread: the
+// call, which it computes itself (Engine::AttendBatchFromThisThread: the
 // dispatcher owns the cores), up to the job's max_batch_size, waiting at most
 // its max_queue_delay for others to join. Jobs whose caller left or whose
 // deadline passed are answered without compute. The dispatcher's batches
@@ -117,7 +117,7 @@ class Scheduler {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Engine threads held by batches computing in Submit: one for a small job,
   // all of them (max_inline_) for a batch of queued jobs.
-  int inline_threads_ ABSL_GUARDED_BY(mu_) = 0;
+  int threads_held_inline_ ABSL_GUARDED_BY(mu_) = 0;
   bool dispatching_ ABSL_GUARDED_BY(mu_) = false;       // the dispatcher is computing
   bool dispatching_long_ ABSL_GUARDED_BY(mu_) = false;  // ... a batch of kLongBatchFlops or more
   std::thread dispatcher_;

@@ -17,7 +17,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attention/v1/service.grpc.pb.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -269,7 +269,7 @@ void AttentionServer::Shutdown() {
   // answers have left: gRPC closes a connection as soon as its last call
   // ends after a shutdown began, and the close resets it when the caller's
   // flow-control updates arrive after it, discarding what the socket still
-  // held of an answer (a 128 MiB one was cut off that way). Meanwhile the
+  // held of an answer (docs/benchmarks.md, "Decisions"). Meanwhile the
   // service refuses new calls UNAVAILABLE.
   server::AttentionServiceImpl& service = *impl_->service;
   service.StartDraining();

@@ -7,16 +7,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/shape_string.h"
+
 namespace attention::testing {
 namespace {
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
 
 template <typename T>
 void Append(std::string& bytes, T v) {
@@ -125,9 +119,9 @@ AttentionArgs ToEngineArgs(const GoldenCase& c) {
   a.value = c.value.View();
   a.num_heads = c.num_heads.value_or(0);
   static const std::pair<const char*, ScoreKind> kScores[] = {
-      {"scaled_dot", ScoreKind::kScaledDot},   {"dot", ScoreKind::kDot},
-      {"additive", ScoreKind::kAdditive},      {"bilinear", ScoreKind::kBilinear},
-      {"cosine", ScoreKind::kCosine},          {"neg_euclidean", ScoreKind::kNegEuclidean},
+      {"scaled_dot", ScoreKind::kScaledDot}, {"dot", ScoreKind::kDot},
+      {"additive", ScoreKind::kAdditive},    {"bilinear", ScoreKind::kBilinear},
+      {"cosine", ScoreKind::kCosine},        {"neg_euclidean", ScoreKind::kNegEuclidean},
       {"gaussian", ScoreKind::kGaussian}};
   bool known = false;
   for (const auto& [name, kind] : kScores) {
@@ -184,8 +178,7 @@ StateDict StateDictOf(const GoldenCase& c) {
            << "shape " << ShapeString(got_shape) << ", want " << ShapeString(want.shape);
   }
   if (got.size() != want.values.size()) {
-    return ::testing::AssertionFailure()
-           << got.size() << " elements, want " << want.values.size();
+    return ::testing::AssertionFailure() << got.size() << " elements, want " << want.values.size();
   }
   size_t bad = 0;
   std::ostringstream first;

@@ -105,14 +105,14 @@ TEST_P(EngineOutOfMemoryTest, LayerCallThatCannotAllocateFailsAloneInItsBatch) {
   small_args.query = View(small, {1, 5, 8});
   const EngineCall alone{&small_args, layer_.get()};
   const absl::StatusOr<AttentionResult> expected =
-      engine_->AttendBatchOnThisThread({&alone, 1}).front();
+      engine_->AttendBatchFromThisThread({&alone, 1}).front();
   ASSERT_TRUE(expected.ok()) << expected.status();
 
   const std::vector<EngineCall> calls = {{&big_args, layer_.get()}, {&small_args, layer_.get()}};
   std::vector<absl::StatusOr<AttentionResult>> results;
   {
     FailLargeAllocations armed(16 * kMiB);
-    results = engine_->AttendBatchOnThisThread(calls);
+    results = engine_->AttendBatchFromThisThread(calls);
   }
   EXPECT_THAT(results[0].status(), StatusIs(absl::StatusCode::kResourceExhausted,
                                             HasSubstr("layer input projections: out of memory")));
@@ -130,14 +130,14 @@ TEST_P(EngineOutOfMemoryTest, RawCallThatCannotAllocateFailsAloneInItsBatch) {
   small_args.query = View(small, {2, 6, 8});
   const EngineCall alone{&small_args, nullptr};
   const absl::StatusOr<AttentionResult> expected =
-      engine_->AttendBatchOnThisThread({&alone, 1}).front();
+      engine_->AttendBatchFromThisThread({&alone, 1}).front();
   ASSERT_TRUE(expected.ok()) << expected.status();
 
   const std::vector<EngineCall> calls = {{&big_args, nullptr}, {&small_args, nullptr}};
   std::vector<absl::StatusOr<AttentionResult>> results;
   {
     FailLargeAllocations armed(16 * kMiB);
-    results = engine_->AttendBatchOnThisThread(calls);
+    results = engine_->AttendBatchFromThisThread(calls);
   }
   EXPECT_THAT(results[0].status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("out of memory")));

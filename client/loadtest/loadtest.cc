@@ -26,7 +26,7 @@
 #include "client/loadtest/stats.h"
 #include "client/loadtest/thresholds.h"
 #include "client/loadtest/workload.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 
 namespace attention::loadtest {
 namespace {

@@ -35,7 +35,7 @@
 #include "absl/time/time.h"
 #include "client/loadtest/h2_transport.h"
 #include "client/loadtest/wire.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/completion_queue.h"

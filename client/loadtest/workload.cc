@@ -17,7 +17,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "client/tensors.h"
-#include "engine/status_macros.h"
+#include "common/shape_string.h"
+#include "common/status_macros.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -27,10 +28,6 @@ namespace {
 // The server's default --max_tensor_elements; a larger tensor would only be
 // refused.
 constexpr double kMaxElements = double{1 << 28};
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
 
 // Uniform in [-1, 1) from the top 24 bits of one draw: the same numbers on
 // every platform, which std::uniform_real_distribution does not promise.

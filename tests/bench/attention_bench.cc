@@ -1,7 +1,7 @@
 // attention_bench: attention throughput of the fused, oneDNN-with-weights and
 // reference paths, as GFLOPS and as ratios of oneDNN's own GEMM measured in the
 // same run; throughput of one and two concurrent callers; and a peak-RSS check
-// of a long fused call. README "Benchmarks".
+// of a long fused call. docs/benchmarks.md.
 
 #include <unistd.h>
 
@@ -29,8 +29,8 @@
 #include "benchmark/benchmark.h"
 #include "engine/engine.h"
 #include "engine/gemm_baseline.h"
-#include "engine/half.h"
-#include "engine/status_macros.h"
+#include "common/half.h"
+#include "common/status_macros.h"
 
 namespace attention {
 namespace {

@@ -134,7 +134,7 @@ int RunCase(const Case& c) {
   }
   args.need_weights = c.need_weights;
   const EngineCall call{&args, layer.get()};
-  const absl::StatusOr<CallCost> cost = engine->Validate(call);
+  const absl::StatusOr<CallCost> cost = engine->CostOf(call);
   if (!cost.ok()) {
     std::fprintf(stderr, "%s: %s\n", c.name, cost.status().ToString().c_str());
     return 1;
@@ -146,14 +146,14 @@ int RunCase(const Case& c) {
     std::vector<float> sq = Random(8 * (c.layer ? embed : heads * dim), 9);
     small.query = c.layer ? View(sq, {1, 8, embed}) : View(sq, {1, heads, 8, dim});
     if (!c.layer) small.key = small.value = small.query;
-    (void)engine->AttendBatchOnThisThread({{&small, layer.get()}});
+    (void)engine->AttendBatchFromThisThread({{&small, layer.get()}});
   }
   const double before = PeakRssBytes();
   double best = 1e300;
   for (int run = 0; run < 3; ++run) {
     const absl::Time start = absl::Now();
     const std::vector<absl::StatusOr<AttentionResult>> result =
-        engine->AttendBatchOnThisThread({&call, 1});
+        engine->AttendBatchFromThisThread({&call, 1});
     best = std::min(best, absl::ToDoubleSeconds(absl::Now() - start));
     if (!result.front().ok()) {
       std::fprintf(stderr, "%s: %s\n", c.name, result.front().status().ToString().c_str());

@@ -3,8 +3,8 @@
 // (tests/bench/echo.proto) and beside the engine alone on the same shape, all
 // in one process and one run; 64 small callers with dynamic batching on and
 // off; FLOAT32 against BFLOAT16 on the wire. Targets are informational: the
-// exit code is 1 only when a server cannot start or a call fails. README
-// "Benchmarks".
+// exit code is 1 only when a server cannot start or a call fails.
+// docs/benchmarks.md.
 
 #include <algorithm>
 #include <chrono>
@@ -36,7 +36,7 @@
 #include "client/tensors.h"
 #include "engine/engine.h"
 #include "engine/multihead.h"
-#include "engine/status_macros.h"
+#include "common/status_macros.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -599,7 +599,7 @@ absl::StatusOr<Load> MakeLoad(std::string name, const std::string& address, Mode
 }
 
 // The engine alone: one caller's calls of what the server's dispatcher runs
-// for `request` (Engine::AttendBatchOnThisThread of one call: raw attention or
+// for `request` (Engine::AttendBatchFromThisThread of one call: raw attention or
 // `layer`'s forward), on the calling thread, as the dispatcher does. Conversion
 // to and from the wire is the server's, not counted here. `request` must
 // outlive the Load.
@@ -628,7 +628,7 @@ Load MakeEngineLoad(const Engine* engine, const MultiheadAttention* layer,
       const Clock::time_point sent = now;
       const EngineCall call{&args, layer};
       std::vector<absl::StatusOr<AttentionResult>> results =
-          engine->AttendBatchOnThisThread({&call, 1});
+          engine->AttendBatchFromThisThread({&call, 1});
       if (!results[0].ok()) return results[0].status();
       now = Clock::now();
       samples.AddLatency(sent, now, window);

@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/engine.h"
-#include "engine/half.h"
+#include "common/half.h"
 #include "engine/multihead.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -24,7 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/engine.h"
-#include "engine/half.h"
+#include "common/half.h"
 #include "gtest/gtest.h"
 
 namespace attention {

@@ -11,7 +11,7 @@
 
 #include "absl/types/span.h"
 #include "engine/attention.h"
-#include "engine/half.h"
+#include "common/half.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
@@ -313,7 +313,7 @@ TEST_F(EngineTest, EnforcesTheScoreElementLimitOnCallsThatReturnWeights) {
 TEST_F(EngineTest, EnforcesTheRequestMemoryAndComputeLimits) {
   AttentionArgs args = Basic();
   args.need_weights = true;
-  absl::StatusOr<CallCost> cost = engine_->Validate({&args, nullptr});
+  absl::StatusOr<CallCost> cost = engine_->CostOf({&args, nullptr});
   ASSERT_TRUE(cost.ok()) << cost.status();
   EXPECT_GT(cost->flops, 0);
   EXPECT_GT(cost->weights_elements, 0);
@@ -341,7 +341,7 @@ TEST_F(EngineTest, EnforcesTheTensorElementLimit) {
 // Regression (hostile_input_test): a query row whose scores were all NaN
 // counted as fully masked and got zeros, and the fused path turned any NaN row
 // sum into zeros. A NaN now makes its row NaN, as in PyTorch, on both
-// backends, both paths, float32 and bfloat16 inputs (README "Errors").
+// backends, both paths, float32 and bfloat16 inputs (docs/errors.md, "Non-finite numbers").
 TEST(EngineNanTest, ANanInAQueryMakesItsRowNanAndNoOther) {
   constexpr int64_t B = 2, L = 3, S = 5, E = 8, H = 2, D = E / H;
   std::vector<float> q(B * L * E, 0.5f);

@@ -1,6 +1,6 @@
 // precision FAST (bf16 matmuls, float32 accumulation) on every golden case:
 // how far it lands from PyTorch's float64 numbers. The figures it prints are
-// the ones README "Precision" quotes.
+// the ones docs/engine.md, "Accuracy", quotes.
 
 #include <algorithm>
 #include <cmath>

@@ -13,7 +13,7 @@
 
 namespace attention::fuzz {
 
-// Bytes sent to Attend: ParseMessage, ToEngineRequest, Engine::Validate and,
+// Bytes sent to Attend: ParseMessage, ToEngineRequest, Engine::CostOf and,
 // when they pass, both backends (and the demo model for "model": "demo").
 void Request(const uint8_t* data, size_t size);
 

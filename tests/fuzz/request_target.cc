@@ -1,5 +1,5 @@
 // fuzz::Request: bytes as a client sends them to Attend, through the
-// server's own path (ParseMessage, ToEngineRequest, Engine::Validate) and,
+// server's own path (ParseMessage, ToEngineRequest, Engine::CostOf) and,
 // when they pass, an engine call on both backends, with the demo model from
 // models/demo for requests that name it. Small limits keep each call cheap.
 //
@@ -82,7 +82,7 @@ bool SameBits(const Tensor& a, const Tensor& b) {
 // Runs `call` twice in one batch on `engine`; the two must agree bit for bit.
 absl::StatusOr<AttentionResult> RunTwice(const Engine& engine, const EngineCall& call) {
   const EngineCall calls[] = {call, call};
-  std::vector<absl::StatusOr<AttentionResult>> results = engine.AttendBatchOnThisThread(calls);
+  std::vector<absl::StatusOr<AttentionResult>> results = engine.AttendBatchFromThisThread(calls);
   FUZZ_CHECK(results.size() == 2, "%zu results", results.size());
   FUZZ_CHECK(results[0].status() == results[1].status(), "batched twins differ in status");
   if (results[0].ok()) {
@@ -111,10 +111,10 @@ void Request(const uint8_t* data, size_t size) {
   if (!converted.ok()) return;
   const EngineCall call{&(*converted)->args, layer};
 
-  absl::StatusOr<CallCost> cost = f.onednn->Validate(call);
-  absl::StatusOr<CallCost> reference_cost = f.reference->Validate(call);
+  absl::StatusOr<CallCost> cost = f.onednn->CostOf(call);
+  absl::StatusOr<CallCost> reference_cost = f.reference->CostOf(call);
   FUZZ_CHECK(cost.status().code() == reference_cost.status().code(),
-             "Validate: onednn %s, reference %s", cost.status().ToString().c_str(),
+             "CostOf: onednn %s, reference %s", cost.status().ToString().c_str(),
              reference_cost.status().ToString().c_str());
   if (!cost.ok()) return;
 

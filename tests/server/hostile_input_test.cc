@@ -714,7 +714,7 @@ TEST_F(HostileServerTest, AFloodOfAbandonedStreamsLeavesTheServerHealthy) {
 
 // NaN and infinities in the data are not refused (finding them would cost a
 // pass over every input): they propagate as in PyTorch, to the rows whose
-// computation they enter, and to no other row. README "Errors".
+// computation they enter, and to no other row. docs/errors.md, "Non-finite numbers".
 TEST_F(HostileServerTest, ANanInAQueryRowMakesThatRowNanAndNoOther) {
   const std::vector<float> clean = Output(ValidRequest());
   for (const bool need_weights : {false, true}) {

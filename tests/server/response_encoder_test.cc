@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/half.h"
+#include "common/half.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/support/slice.h"

@@ -1,5 +1,5 @@
-#ifndef ATTENTION_ENGINE_HALF_H_
-#define ATTENTION_ENGINE_HALF_H_
+#ifndef ATTENTION_COMMON_HALF_H_
+#define ATTENTION_COMMON_HALF_H_
 
 #include <cstdint>
 #include <cstring>
@@ -54,7 +54,7 @@ inline uint16_t FloatToFloat16(float f) {
   std::memcpy(&u, &f, sizeof u);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
   if (abs < 0x38800000u) {  // below the smallest normal: subnormal or zero
     if (abs < 0x33000000u) return static_cast<uint16_t>(sign);
@@ -73,4 +73,4 @@ inline uint16_t FloatToFloat16(float f) {
 
 }  // namespace attention
 
-#endif  // ATTENTION_ENGINE_HALF_H_
+#endif  // ATTENTION_COMMON_HALF_H_

@@ -1,5 +1,5 @@
-#ifndef ATTENTION_ENGINE_STATUS_MACROS_H_
-#define ATTENTION_ENGINE_STATUS_MACROS_H_
+#ifndef ATTENTION_COMMON_STATUS_MACROS_H_
+#define ATTENTION_COMMON_STATUS_MACROS_H_
 
 #include <new>
 
@@ -45,4 +45,4 @@ auto OutOfMemoryAsStatus(absl::string_view what, F&& f) -> decltype(f()) {
 
 }  // namespace attention
 
-#endif  // ATTENTION_ENGINE_STATUS_MACROS_H_
+#endif  // ATTENTION_COMMON_STATUS_MACROS_H_

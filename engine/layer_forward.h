@@ -1,9 +1,10 @@
-#ifndef ATTENTION_ENGINE_MULTIHEAD_PLAN_H_
-#define ATTENTION_ENGINE_MULTIHEAD_PLAN_H_
+#ifndef ATTENTION_ENGINE_LAYER_FORWARD_H_
+#define ATTENTION_ENGINE_LAYER_FORWARD_H_
 
-// A MultiheadAttention forward split into the phases the engine runs, so
-// the calls of a batch share each phase's pass over the compute threads.
-// Engine-private.
+// A MultiheadAttention forward split into the phases the engine runs
+// (Engine::AttendBatch: plan, input projections, the inner attention, output
+// projection), so the calls of a batch share each phase's pass over the
+// compute threads. Engine-private; uses only the layer's public interface.
 
 #include <cstdint>
 #include <vector>
@@ -47,4 +48,4 @@ LinearJob OutputProjection(const LayerPlan& plan, const FloatBuffer& attention_o
 
 }  // namespace attention::internal
 
-#endif  // ATTENTION_ENGINE_MULTIHEAD_PLAN_H_
+#endif  // ATTENTION_ENGINE_LAYER_FORWARD_H_
