@@ -1,7 +1,7 @@
 // Hostile input, through a real server: every class of malformed request the
 // wire can carry (table-driven: the code and the field named in the message),
 // bytes that are not a request, messages over the size limit, non-finite
-// numbers (refused in parameters, propagated in data: README "Errors"), and a
+// numbers (refused in parameters, propagated in data: docs/errors.md), and a
 // flood of abandoned streams. After each, the server must still be serving:
 // health is SERVING and a good request succeeds.
 
