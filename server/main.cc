@@ -51,8 +51,8 @@ ABSL_FLAG(std::string, model_repository, ATTENTION_DEFAULT_MODEL_REPOSITORY,
 ABSL_FLAG(std::string, engine, "onednn",
           "Compute backend: onednn, or reference (plain loops, the test oracle; slow)");
 ABSL_FLAG(int32_t, engine_threads, 0,
-          "Threads the engine computes on; 0 means one per core. Calls run one at a time on "
-          "them, so concurrent requests never oversubscribe the cores");
+          "Threads the engine computes on; 0 means one per core. A batch uses up to all of "
+          "them; small calls compute beside each other, one thread each, up to this many");
 ABSL_FLAG(int64_t, max_queue, attention::ServerOptions().max_queue,
           "Requests that may wait for compute at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, max_batch_size, attention::ServerOptions().max_batch_size,

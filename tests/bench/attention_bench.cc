@@ -62,6 +62,8 @@ struct Shape {
                         causal ? "_causal" : "");
   }
   // Q K^T and P V at 2 flops per multiply-add; a causal call skips the masked half.
+  // The matmuls only, comparable with the GEMM's flops (engine/cost.h, the
+  // limits' count, also counts the softmax and score work).
   double Flops() const {
     const double dense = 4.0 * batch * heads * query_len * key_len * head_dim;
     return causal ? dense / 2 : dense;
