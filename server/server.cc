@@ -19,7 +19,6 @@
 #include "attention/v1/service.grpc.pb.h"
 #include "common/status_macros.h"
 #include "grpc/grpc.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
@@ -27,6 +26,7 @@
 #include "server/attention_service.h"
 #include "server/heap_trimmer.h"
 #include "server/metrics.h"
+#include "server/reflection_service.h"
 #include "server/scheduler.h"
 #include "server/security.h"
 #include "spdlog/spdlog.h"
@@ -44,7 +44,6 @@ constexpr absl::Duration kAnswerLinger = absl::Milliseconds(250);
 void InitGrpcOnce() {
   static const bool kDone = [] {
     grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     return true;
   }();
   (void)kDone;
@@ -116,6 +115,7 @@ struct AttentionServer::Impl {
   std::unique_ptr<ModelRepository> models;
   std::unique_ptr<server::Scheduler> scheduler;
   std::unique_ptr<server::AttentionServiceImpl> service;
+  std::unique_ptr<server::ReflectionService> reflection;
   double drain_seconds = 0;
   std::unique_ptr<grpc::Server> grpc_server;
   int port = 0;
@@ -222,6 +222,11 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
         static_cast<int>(std::min(options.drain_seconds, kMaxSeconds) * 1000));
   }
   builder.RegisterService(impl->service.get());
+  impl->reflection = std::make_unique<server::ReflectionService>(
+      std::vector<std::string>{v1::AttentionService::service_full_name(), "grpc.health.v1.Health",
+                               grpc::reflection::v1alpha::ServerReflection::service_full_name()},
+      impl->auth.get());
+  builder.RegisterService(impl->reflection.get());
   impl->grpc_server = builder.BuildAndStart();
   if (impl->grpc_server == nullptr || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
