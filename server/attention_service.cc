@@ -204,10 +204,10 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
         return engine_->CostOf({&args, job.model ? job.model->layer.get() : nullptr});
       }));
   ATTN_RETURN_IF_ERROR(CheckAnswerSize(cost, job.request->output_dtype));
-  // Held until answered: the request as received and as parsed, the
-  // engine's allocations, and the encoded answer.
-  const double held = 2.0 * static_cast<double>(wire_bytes) + cost.bytes() +
-                      AnswerBytes(cost, job.request->output_dtype);
+  // Held until answered: the parsed request (its bytes as received were freed
+  // as they were parsed), the engine's allocations, and the encoded answer.
+  const double held =
+      static_cast<double>(wire_bytes) + cost.bytes() + AnswerBytes(cost, job.request->output_dtype);
   ATTN_ASSIGN_OR_RETURN(
       *lease,
       memory_.Reserve(static_cast<int64_t>(std::min(held, static_cast<double>(INT64_MAX / 2)))));
@@ -242,11 +242,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   // Shared with the job's `done`, which outlives this call: the job's views
   // point into it.
   auto request = std::make_shared<v1::AttendRequest>();
+  const size_t wire_bytes = request_bytes->Length();
   absl::Status admitted = Admit(*context);
-  if (admitted.ok()) admitted = ParseMessage(*request_bytes, request.get());
+  // The message's bytes are freed as they are parsed: gRPC hands them over
+  // (const only by the method's signature) and reads them no more.
+  if (admitted.ok()) {
+    admitted = ParseAndReleaseMessage(const_cast<grpc::ByteBuffer*>(request_bytes), request.get());
+  }
   absl::StatusOr<Job> job =
-      admitted.ok() ? MakeJob(*context, *request, request_bytes->Length(), &reactor->lease())
-                    : admitted;
+      admitted.ok() ? MakeJob(*context, *request, wire_bytes, &reactor->lease()) : admitted;
   if (!job.ok()) return FinishUnary(reactor, "Attend", request->model(), start, job.status());
   metrics_->AddInFlight(1);
   job->cancelled = [context] { return context->IsCancelled(); };
@@ -323,9 +327,8 @@ class AttentionServiceImpl::StreamReactor final
     // Unlocked from here: parsing a large message takes a while, during which
     // answers to this stream's earlier requests are written, and a small job
     // may compute, and answer, within Submit.
-    absl::Status parsed = ParseMessage(bytes, request.get());
     const size_t wire_bytes = bytes.Length();
-    bytes.Clear();
+    absl::Status parsed = ParseAndReleaseMessage(&bytes, request.get());
     // Parsed first, so that the refusal carries the request's id.
     if (parsed.ok() && service_->draining_.load()) parsed = DrainingError();
     service_->metrics_->AddInFlight(1);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/half.h"
 #include "common/status_macros.h"
+#include "google/protobuf/io/zero_copy_stream.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 
@@ -117,15 +118,73 @@ absl::StatusOr<grpc::ByteBuffer> Encode(const v1::AttendResponse& head, Attentio
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+absl::Status InvalidMessage(const google::protobuf::MessageLite& message) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("the request is not a valid ", message.GetTypeName(), " message"));
+}
+
 absl::Status Parse(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
   grpc::ByteBuffer shared(buffer);  // the reader consumes its buffer; this shares the slices
   grpc::ProtoBufferReader reader(&shared);
   if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the request is not a valid ", message->GetTypeName(), " message"));
+    return InvalidMessage(*message);
   }
   return absl::OkStatus();
 }
+
+// The slices of a message, in order, each freed once the parser has moved on
+// to the next (protobuf keeps no pointer into a buffer it has left: it copies
+// what it still needs of one before asking for the next).
+class ReleasingSliceStream final : public google::protobuf::io::ZeroCopyInputStream {
+ public:
+  explicit ReleasingSliceStream(std::vector<grpc::Slice> slices) : slices_(std::move(slices)) {}
+
+  bool Next(const void** data, int* size) override {
+    if (backed_up_ > 0) {  // what BackUp returned of the current slice
+      const grpc::Slice& slice = slices_[current_];
+      *data = slice.begin() + (slice.size() - backed_up_);
+      *size = backed_up_;
+      bytes_ += backed_up_;
+      backed_up_ = 0;
+      return true;
+    }
+    if (started_ && current_ < slices_.size()) slices_[current_++] = grpc::Slice();
+    started_ = true;
+    while (current_ < slices_.size() && slices_[current_].size() == 0) ++current_;
+    if (current_ >= slices_.size()) return false;
+    *data = slices_[current_].begin();
+    *size = static_cast<int>(slices_[current_].size());
+    bytes_ += *size;
+    return true;
+  }
+
+  void BackUp(int count) override {
+    backed_up_ = count;
+    bytes_ -= count;
+  }
+
+  bool Skip(int count) override {
+    const void* data;
+    int size;
+    while (count > 0 && Next(&data, &size)) {
+      if (size > count) {
+        BackUp(size - count);
+        return true;
+      }
+      count -= size;
+    }
+    return count == 0;
+  }
+
+  int64_t ByteCount() const override { return bytes_; }
+
+ private:
+  std::vector<grpc::Slice> slices_;
+  size_t current_ = 0;
+  bool started_ = false;
+  int backed_up_ = 0;
+  int64_t bytes_ = 0;
+};
 
 }  // namespace
 
@@ -143,6 +202,18 @@ grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message) 
 
 absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
   return OutOfMemoryAsStatus("request parsing", [&] { return Parse(buffer, message); });
+}
+
+absl::Status ParseAndReleaseMessage(grpc::ByteBuffer* buffer,
+                                    google::protobuf::MessageLite* message) {
+  return OutOfMemoryAsStatus("request parsing", [&]() -> absl::Status {
+    std::vector<grpc::Slice> slices;
+    if (!buffer->Dump(&slices).ok()) return InvalidMessage(*message);
+    buffer->Clear();  // the slices now hold the only references
+    ReleasingSliceStream stream(std::move(slices));
+    if (!message->ParseFromZeroCopyStream(&stream)) return InvalidMessage(*message);
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace attention::server

@@ -28,6 +28,12 @@ grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message);
 // Parses `buffer` into `message`. INVALID_ARGUMENT when it is not one.
 absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message);
 
+// ParseMessage, emptying `buffer` as it goes: each of its slices is freed
+// once parsed, so a large request is not held whole twice (as received and as
+// parsed) at any moment.
+absl::Status ParseAndReleaseMessage(grpc::ByteBuffer* buffer,
+                                    google::protobuf::MessageLite* message);
+
 }  // namespace attention::server
 
 #endif  // ATTENTION_SERVER_RESPONSE_ENCODER_H_

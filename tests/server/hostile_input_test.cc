@@ -896,7 +896,7 @@ class MemoryBudgetServerTest : public ServerSuite<> {
 };
 
 TEST_F(MemoryBudgetServerTest, ACallThatWouldPassTheBudgetIsRefusedBeforeCompute) {
-  // 1.5 MiB of queries: held as received and as parsed, 3 MiB.
+  // 1.5 MiB of queries: with its output and answer, over 4 MiB.
   v1::AttendRequest request;
   *request.mutable_query() = Ramp({1, 3072, 128});
   const double computed = ComputedCalls(server_->server());

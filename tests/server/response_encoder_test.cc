@@ -150,5 +150,43 @@ TEST(ParseMessage, ReadsAMessageSplitOverSlices) {
   EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(parsed, request));
 }
 
+// A request cut into slices of `size` bytes (and an empty slice after each).
+grpc::ByteBuffer Sliced(const std::string& bytes, size_t size) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += size) {
+    slices.emplace_back(bytes.substr(at, size));
+    slices.emplace_back();
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+TEST(ParseAndReleaseMessage, ReadsWhatParseMessageReadsAndEmptiesTheBuffer) {
+  v1::AttendRequest request;
+  request.set_id("released");
+  request.mutable_query()->mutable_data()->assign(100000, 'q');
+  request.mutable_key()->mutable_data()->assign(3000, 'k');
+  request.set_need_weights(true);
+  const std::string bytes = request.SerializeAsString();
+  // Slices of 1 byte make every field cross slice boundaries; 4096, the usual case.
+  for (size_t size : {size_t{1}, size_t{7}, size_t{4096}, bytes.size()}) {
+    grpc::ByteBuffer buffer = Sliced(bytes, size);
+    v1::AttendRequest parsed;
+    ASSERT_THAT(ParseAndReleaseMessage(&buffer, &parsed), IsOk()) << size;
+    EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(parsed, request)) << size;
+    EXPECT_EQ(buffer.Length(), 0u) << size;
+  }
+}
+
+TEST(ParseAndReleaseMessage, RefusesBytesThatAreNotTheMessage) {
+  grpc::ByteBuffer buffer = Sliced("\xff\xff\xff\xff\x0f not a message", 3);
+  v1::AttendRequest request;
+  EXPECT_THAT(ParseAndReleaseMessage(&buffer, &request),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("AttendRequest")));
+  grpc::ByteBuffer truncated =
+      Sliced(v1::AttendRequest().SerializeAsString() + std::string("\x0a\x05" "ab", 4), 2);
+  EXPECT_THAT(ParseAndReleaseMessage(&truncated, &request),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("AttendRequest")));
+}
+
 }  // namespace
 }  // namespace attention::server
