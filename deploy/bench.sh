@@ -6,6 +6,8 @@
 #   bash deploy/bench.sh server [ARGS]   attention_server_bench ARGS only
 #   bash deploy/bench.sh cost           cost_model_check: the cost model against
 #                                        measured time and peak RSS per score kind
+#   bash deploy/bench.sh memory         server_memory_check: how far long calls
+#                                        grow attention_server's peak RSS
 #   bash deploy/bench.sh loadtest [SECS] attention_loadtest's own CPU use and rate
 #                                        accuracy up to the server's capacity
 #                                        (deploy/loadtest_bench.sh)
@@ -14,7 +16,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 which=all
 case "${1:-}" in
-  engine | server | cost | loadtest) which=$1; shift ;;
+  engine | server | cost | memory | loadtest) which=$1; shift ;;
 esac
 
 bash deploy/install-deps.sh
@@ -23,6 +25,7 @@ case "$which" in
   engine) targets=(attention_bench) ;;
   server) targets=(attention_server_bench) ;;
   cost) targets=(cost_model_check) ;;
+  memory) targets=(attention_server server_memory_check) ;;
   loadtest) targets=(attention_server attention_cli attention_loadtest) ;;
   *) targets=(attention_bench attention_server_bench) ;;
 esac
@@ -31,6 +34,7 @@ case "$which" in
   engine) build-release/attention_bench "$@" ;;
   server) build-release/attention_server_bench "$@" ;;
   cost) build-release/cost_model_check ;;
+  memory) build-release/server_memory_check build-release/attention_server ;;
   loadtest)
     bash deploy/loadtest_bench.sh build-release/attention_server build-release/attention_cli \
       build-release/attention_loadtest "$@"
