@@ -30,6 +30,16 @@ constexpr double kInlineMaxFlops = 1e6;
 // The `model` label of calls naming a model that is not registered.
 constexpr absl::string_view kUnknownModelLabel = "(unknown)";
 
+// Frees `request`'s tensors, which its job no longer reads once computed:
+// before its answer is sent, so that a large call does not hold both.
+void DropTensors(v1::AttendRequest& request) {
+  request.clear_query();
+  request.clear_key();
+  request.clear_value();
+  request.clear_score();
+  request.clear_mask();
+}
+
 // Every field of the answer to `request` but its tensors.
 v1::AttendResponse ResponseHead(const v1::AttendRequest& request, const JobTiming& timing) {
   v1::AttendResponse head;
@@ -268,6 +278,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
         status = encoded.status();
       }
     }
+    DropTensors(*request);
     const grpc::Status wire = ToGrpcStatus(status);
     Record("Attend", request->model(), wire, start, &timing);
     metrics_->AddInFlight(-1);
@@ -351,6 +362,7 @@ class AttentionServiceImpl::StreamReactor final
         } else {
           answer = result.status();
         }
+        DropTensors(*request);
         service_->Record("AttendStream", request->model(), ToGrpcStatus(answer.status()), start,
                          &timing);
         absl::MutexLock lock(&mu_);
