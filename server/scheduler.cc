@@ -39,7 +39,11 @@ absl::Status Scheduler::Submit(Job job) {
           max_queue_, "); retry with backoff"));
     }
     job.enqueued = absl::Now();
-    if (job.inline_when_idle && (!dispatching_ || dispatching_long_) &&
+    // Small jobs compute here when the engine is idle; any job that is not
+    // long itself does beside a long batch, sharing the cores with it rather
+    // than waiting for all of it.
+    const bool beside_long = dispatching_long_ && job.flops < kLongBatchFlops;
+    if (((job.inline_when_idle && !dispatching_) || beside_long) &&
         threads_held_inline_ < max_inline_ && queue_.empty()) {
       ++threads_held_inline_;
       run_here = true;

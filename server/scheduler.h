@@ -65,10 +65,11 @@ struct SchedulerHooks {
 // its max_queue_delay for others to join. Jobs whose caller left or whose
 // deadline passed are answered without compute. The dispatcher's batches
 // compute on all the engine's threads. Small (inline_when_idle) jobs compute
-// on the threads that submit them, several at once (each on one thread), and
-// beside the dispatcher only while it computes a long batch (kLongBatchFlops):
-// a call of a few microseconds never waits seconds behind another's.
-// Thread-safe.
+// on the threads that submit them, several at once (each on one thread). While
+// the dispatcher computes a long batch (kLongBatchFlops or more), every job
+// that is not long itself computes on its submitting thread too, beside it:
+// the cores are shared between them, so a call of milliseconds never waits
+// seconds behind another's. Thread-safe.
 class Scheduler {
  public:
   // `engine` must outlive the scheduler. Starts the dispatcher thread. At most
@@ -94,10 +95,9 @@ class Scheduler {
   // are already due, rather than waking the dispatcher for them, as long as
   // no other inline job is computing (a batch of small jobs may be large).
   static constexpr int kMaxBatchesAfterInline = 4;
-  // A dispatcher batch of at least this much work (milliseconds on this
-  // machine's cores) lets small jobs compute inline beside it: the thread one
-  // of them takes from the batch for microseconds costs the batch less than
-  // the small job would wait for it.
+  // A dispatcher batch of at least this much work (some 10 ms on this
+  // machine's cores) lets shorter jobs compute on their own threads beside
+  // it: what they take from the batch costs it less than they would wait.
   static constexpr double kLongBatchFlops = 2e9;
   // Moves the batch of the queue's front job into `batch` when it is small
   // (inline_when_idle) and its delay is up; false, taking nothing, otherwise.

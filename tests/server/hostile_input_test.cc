@@ -927,9 +927,9 @@ double BatchesStarted(AttentionServer& server) {
 }
 
 // Regression: an additive score with a wide hidden layer computed for
-// seconds, and a small call sent meanwhile waited for all of it. Now it is
-// answered while the long call still computes.
-TEST(FairShareTest, ASmallCallIsAnsweredWhileALongCallComputes) {
+// seconds, and a small call sent meanwhile waited for all of it. Now small
+// and medium calls are answered while the long call still computes.
+TEST(FairShareTest, SmallAndMediumCallsAreAnsweredWhileALongCallComputes) {
   absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start();
   ASSERT_THAT(server, IsOk());
   v1::AttendRequest long_call;  // 256 x 256 pairs x 32768 hidden units: ~90 GFLOP
@@ -954,6 +954,11 @@ TEST(FairShareTest, ASmallCallIsAnsweredWhileALongCallComputes) {
   *small.mutable_query() = Ramp({1, 4, 8});
   EXPECT_THAT((*server)->client().Attend(small), IsOk());
   EXPECT_FALSE(long_done.load()) << "the small call waited for the long one";
+  // Milliseconds of work, queued behind the long call before.
+  v1::AttendRequest medium;
+  *medium.mutable_query() = Ramp({1, 4, 512, 64});
+  EXPECT_THAT((*server)->client().Attend(medium), IsOk());
+  EXPECT_FALSE(long_done.load()) << "the medium call waited for the long one";
   caller.join();
   EXPECT_THAT(long_status, IsOk());
 }

@@ -248,6 +248,32 @@ TEST_F(SchedulerTest, ASmallJobComputesInlineBesideALongBatch) {
   EXPECT_THAT(blocked.result, testing::IsOk());
 }
 
+TEST_F(SchedulerTest, AJobShorterThanALongBatchComputesBesideIt) {
+  Scheduler scheduler(engine_.get(), 8);
+  Outcome blocked, medium;
+  absl::Notification started, release;
+  Job long_job = Blocker(&blocked, &started, &release);
+  long_job.flops = 1e12;
+  ASSERT_THAT(scheduler.Submit(std::move(long_job)), testing::IsOk());
+  started.WaitForNotification();
+  std::thread::id ran_on;
+  Job job = MakeJob(&medium);  // not inline_when_idle: too large to compute inline when idle
+  job.flops = 1e8;
+  job.done = Recording(&medium, &ran_on);
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  EXPECT_TRUE(medium.done.HasBeenNotified());
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  // A job as long as the batch waits its turn.
+  Outcome other_long;
+  Job second = MakeJob(&other_long);
+  second.flops = 1e12;
+  ASSERT_THAT(scheduler.Submit(std::move(second)), testing::IsOk());
+  EXPECT_FALSE(other_long.done.HasBeenNotified());
+  release.Notify();
+  other_long.done.WaitForNotification();
+  EXPECT_THAT(other_long.result, testing::IsOk());
+}
+
 // Submits `job` from another thread and returns once Submit has: called
 // from a running job's `done`, it queues the job behind that one.
 void SubmitFromAnotherThread(Scheduler& scheduler, Job job) {
