@@ -215,9 +215,12 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
       }));
   ATTN_RETURN_IF_ERROR(CheckAnswerSize(cost, job.request->output_dtype));
   // Held until answered: the parsed request (its bytes as received were freed
-  // as they were parsed), the engine's allocations, and the encoded answer.
+  // as they were parsed), the engine's allocations, and the encoded answer
+  // (FLOAT32 tensors go out in the engine's own buffers; 16-bit ones are new).
+  const v1::Tensor::DType output_dtype = job.request->output_dtype;
   const double held =
-      static_cast<double>(wire_bytes) + cost.bytes() + AnswerBytes(cost, job.request->output_dtype);
+      static_cast<double>(wire_bytes) + cost.bytes() +
+      (output_dtype == v1::Tensor::FLOAT32 ? kAnswerHeadBytes : AnswerBytes(cost, output_dtype));
   ATTN_ASSIGN_OR_RETURN(
       *lease,
       memory_.Reserve(static_cast<int64_t>(std::min(held, static_cast<double>(INT64_MAX / 2)))));
