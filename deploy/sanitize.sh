@@ -59,7 +59,7 @@ else
   export OMP_THREAD_LIMIT=1
   # Each binary in one process: a server suite's tests share its server, and
   # ctest's process per test would start hundreds of servers under TSan.
-  # Not the 32768-position call, nor the 90-GFLOP additive one: single-threaded
+  # Not the 32768-position call, nor the 45-GFLOP additive one: single-threaded
   # and instrumented they compute for minutes, and their threads are the ones
   # every other server test runs.
   "$build/server_test" --gtest_brief=1 \
