@@ -40,9 +40,9 @@ absl::Status Scheduler::Submit(Job job) {
     }
     job.enqueued = absl::Now();
     // Small jobs compute here when the engine is idle; any job that is not
-    // long itself does beside a long batch, sharing the cores with it rather
+    // long itself does beside a long one, sharing the cores with it rather
     // than waiting for all of it.
-    const bool beside_long = dispatching_long_ && job.flops < kLongBatchFlops;
+    const bool beside_long = dispatching_long_ && job.flops < kLongJobFlops;
     if (((job.inline_when_idle && !dispatching_) || beside_long) &&
         threads_held_inline_ < max_inline_ && queue_.empty()) {
       ++threads_held_inline_;
@@ -145,10 +145,11 @@ void Scheduler::Loop() {
       // empty starts none).
       TakeFrontBatch(batch);
       depth = static_cast<int64_t>(queue_.size());
-      double flops = 0;
-      for (const Job& job : batch) flops += job.flops;
+      // Long: a job in it is. A batch of many shorter jobs took its turn
+      // fairly; those arriving meanwhile queue and batch as usual.
       dispatching_ = true;
-      dispatching_long_ = flops >= kLongBatchFlops;
+      dispatching_long_ = std::any_of(batch.begin(), batch.end(),
+                                      [](const Job& job) { return job.flops >= kLongJobFlops; });
     }
     if (hooks_.queue_depth) hooks_.queue_depth(depth);
     Run(batch);

@@ -66,7 +66,7 @@ struct SchedulerHooks {
 // deadline passed are answered without compute. The dispatcher's batches
 // compute on all the engine's threads. Small (inline_when_idle) jobs compute
 // on the threads that submit them, several at once (each on one thread). While
-// the dispatcher computes a long batch (kLongBatchFlops or more), every job
+// the dispatcher computes a long job (kLongJobFlops or more), every job
 // that is not long itself computes on its submitting thread too, beside it:
 // the cores are shared between them, so a call of milliseconds never waits
 // seconds behind another's. Thread-safe.
@@ -95,10 +95,11 @@ class Scheduler {
   // are already due, rather than waking the dispatcher for them, as long as
   // no other inline job is computing (a batch of small jobs may be large).
   static constexpr int kMaxBatchesAfterInline = 4;
-  // A dispatcher batch of at least this much work (some 10 ms on this
-  // machine's cores) lets shorter jobs compute on their own threads beside
-  // it: what they take from the batch costs it less than they would wait.
-  static constexpr double kLongBatchFlops = 2e9;
+  // A job of at least this much work (some 10 ms on this machine's cores) is
+  // long: while the dispatcher computes one, shorter jobs compute on their own
+  // threads beside it, as what they take from it costs it less than they
+  // would wait.
+  static constexpr double kLongJobFlops = 2e9;
   // Moves the batch of the queue's front job into `batch` when it is small
   // (inline_when_idle) and its delay is up; false, taking nothing, otherwise.
   bool TakeDueBatch(std::deque<Job>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -119,7 +120,7 @@ class Scheduler {
   // all of them (max_inline_) for a batch of queued jobs.
   int threads_held_inline_ ABSL_GUARDED_BY(mu_) = 0;
   bool dispatching_ ABSL_GUARDED_BY(mu_) = false;       // the dispatcher is computing
-  bool dispatching_long_ ABSL_GUARDED_BY(mu_) = false;  // ... a batch of kLongBatchFlops or more
+  bool dispatching_long_ ABSL_GUARDED_BY(mu_) = false;  // ... a batch with a long job
   std::thread dispatcher_;
 };
 

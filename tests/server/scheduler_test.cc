@@ -274,6 +274,26 @@ TEST_F(SchedulerTest, AJobShorterThanALongBatchComputesBesideIt) {
   EXPECT_THAT(other_long.result, testing::IsOk());
 }
 
+TEST_F(SchedulerTest, AJobWaitsForABatchWithoutALongJob) {
+  // Many short jobs batched together are not one long call: what arrives
+  // meanwhile queues, and batches, as usual.
+  Scheduler scheduler(engine_.get(), 8);
+  Outcome blocked, medium;
+  absl::Notification started, release;
+  Job short_job = Blocker(&blocked, &started, &release);
+  short_job.flops = 1.5e9;
+  ASSERT_THAT(scheduler.Submit(std::move(short_job)), testing::IsOk());
+  started.WaitForNotification();
+  Job job = MakeJob(&medium);
+  job.flops = 1e8;
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  EXPECT_FALSE(medium.done.HasBeenNotified());
+  EXPECT_EQ(scheduler.queue_depth(), 1);
+  release.Notify();
+  medium.done.WaitForNotification();
+  EXPECT_THAT(medium.result, testing::IsOk());
+}
+
 // Submits `job` from another thread and returns once Submit has: called
 // from a running job's `done`, it queues the job behind that one.
 void SubmitFromAnotherThread(Scheduler& scheduler, Job job) {
