@@ -12,7 +12,6 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/zero_copy_stream.h"
-#include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 
 namespace attention::server {
@@ -125,15 +124,6 @@ absl::Status InvalidMessage(const google::protobuf::MessageLite& message) {
       absl::StrCat("the request is not a valid ", message.GetTypeName(), " message"));
 }
 
-absl::Status Parse(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
-  grpc::ByteBuffer shared(buffer);  // the reader consumes its buffer; this shares the slices
-  grpc::ProtoBufferReader reader(&shared);
-  if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
-    return InvalidMessage(*message);
-  }
-  return absl::OkStatus();
-}
-
 // The slices of a message, in order, each freed once the parser has moved on
 // to the next (protobuf keeps no pointer into a buffer it has left: it copies
 // what it still needs of one before asking for the next). gRPC's slices are
@@ -216,10 +206,6 @@ grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message) 
   return grpc::ByteBuffer(&slice, 1);
 }
 
-absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
-  return OutOfMemoryAsStatus("request parsing", [&] { return Parse(buffer, message); });
-}
-
 absl::Status ParseAndReleaseMessage(grpc::ByteBuffer* buffer,
                                     google::protobuf::MessageLite* message) {
   return OutOfMemoryAsStatus("request parsing", [&]() -> absl::Status {
@@ -230,6 +216,11 @@ absl::Status ParseAndReleaseMessage(grpc::ByteBuffer* buffer,
     if (!message->ParseFromZeroCopyStream(&stream)) return InvalidMessage(*message);
     return absl::OkStatus();
   });
+}
+
+absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
+  grpc::ByteBuffer shared(buffer);  // shares the slices: `buffer` keeps them
+  return ParseAndReleaseMessage(&shared, message);
 }
 
 }  // namespace attention::server

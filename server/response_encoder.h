@@ -25,14 +25,16 @@ absl::StatusOr<grpc::ByteBuffer> EncodeResponse(const v1::AttendResponse& head,
 // `message` serialized into a ByteBuffer (for answers without tensors).
 grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message);
 
-// Parses `buffer` into `message`. INVALID_ARGUMENT when it is not one.
-absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message);
-
-// ParseMessage, emptying `buffer` as it goes: each of its slices is freed
-// once parsed, so a large request is not held whole twice (as received and as
-// parsed) at any moment.
+// Parses `buffer` into `message`, emptying `buffer` as it goes: each of its
+// slices is freed once parsed, so a large request is not held whole twice (as
+// received and as parsed) at any moment. INVALID_ARGUMENT when it is not one;
+// RESOURCE_EXHAUSTED when memory runs out.
 absl::Status ParseAndReleaseMessage(grpc::ByteBuffer* buffer,
                                     google::protobuf::MessageLite* message);
+
+// The same parser for a buffer the caller keeps (its slices are shared, so
+// nothing is freed): the server's own path, for tests and fuzz targets.
+absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message);
 
 }  // namespace attention::server
 

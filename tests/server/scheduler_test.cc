@@ -103,6 +103,17 @@ class SchedulerTest : public ::testing::Test {
     return job;
   }
 
+  // Submits a Blocker of `flops` to `scheduler` and returns once it holds the
+  // dispatcher.
+  void HoldDispatcher(Scheduler& scheduler, double flops, Outcome* out,
+                      absl::Notification* release) {
+    absl::Notification started;
+    Job job = Blocker(out, &started, release);
+    job.flops = flops;
+    ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+    started.WaitForNotification();
+  }
+
   std::unique_ptr<Engine> engine_;
   v1::AttendRequest request_;
 };
@@ -229,11 +240,8 @@ TEST_F(SchedulerTest, ASmallJobComputesInlineBesideALongBatch) {
   // score of seconds) because small jobs never computed beside the dispatcher.
   Scheduler scheduler(engine_.get(), 8);
   Outcome blocked, small;
-  absl::Notification started, release;
-  Job long_job = Blocker(&blocked, &started, &release);
-  long_job.flops = 1e12;
-  ASSERT_THAT(scheduler.Submit(std::move(long_job)), testing::IsOk());
-  started.WaitForNotification();
+  absl::Notification release;
+  HoldDispatcher(scheduler, 1e12, &blocked, &release);
   std::thread::id ran_on;
   Job job = MakeJob(&small);
   job.inline_when_idle = true;
@@ -251,11 +259,8 @@ TEST_F(SchedulerTest, ASmallJobComputesInlineBesideALongBatch) {
 TEST_F(SchedulerTest, AJobShorterThanALongBatchComputesBesideIt) {
   Scheduler scheduler(engine_.get(), 8);
   Outcome blocked, medium;
-  absl::Notification started, release;
-  Job long_job = Blocker(&blocked, &started, &release);
-  long_job.flops = 1e12;
-  ASSERT_THAT(scheduler.Submit(std::move(long_job)), testing::IsOk());
-  started.WaitForNotification();
+  absl::Notification release;
+  HoldDispatcher(scheduler, 1e12, &blocked, &release);
   std::thread::id ran_on;
   Job job = MakeJob(&medium);  // not inline_when_idle: too large to compute inline when idle
   job.flops = 1e8;
@@ -279,11 +284,8 @@ TEST_F(SchedulerTest, AJobWaitsForABatchWithoutALongJob) {
   // meanwhile queues, and batches, as usual.
   Scheduler scheduler(engine_.get(), 8);
   Outcome blocked, medium;
-  absl::Notification started, release;
-  Job short_job = Blocker(&blocked, &started, &release);
-  short_job.flops = 1.5e9;
-  ASSERT_THAT(scheduler.Submit(std::move(short_job)), testing::IsOk());
-  started.WaitForNotification();
+  absl::Notification release;
+  HoldDispatcher(scheduler, 1.5e9, &blocked, &release);
   Job job = MakeJob(&medium);
   job.flops = 1e8;
   ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
