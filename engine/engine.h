@@ -15,6 +15,7 @@
 namespace attention {
 
 class MultiheadAttention;
+struct SessionCall;
 
 // One call of Engine::AttendBatch: raw attention, or `layer`'s forward.
 struct EngineCall {
@@ -26,6 +27,10 @@ struct EngineCall {
   // (a server's CANCELLED when the caller left, DEADLINE_EXCEEDED when its
   // deadline passed). May be null. The reference backend polls between calls.
   const std::function<absl::Status()>* interrupt = nullptr;
+  // Keys and values kept between calls (engine/kv_cache.h); null: none.
+  // Must stay valid, and its caches used by no other call, until the call's
+  // result is returned.
+  const SessionCall* session = nullptr;
 };
 
 enum class Backend {
