@@ -19,6 +19,7 @@
 #include "engine/layer_forward.h"
 #include "engine/multihead.h"
 #include "engine/reference.h"
+#include "engine/session_forward.h"
 
 namespace attention {
 namespace {
@@ -144,6 +145,17 @@ absl::StatusOr<CallCost> CheckRawLimits(const AttentionArgs& args, const Attenti
   return cost;
 }
 
+// The limits of a call with sessions: its tensors, the attention over every
+// cached row (its output, and weights when asked), and its cost.
+absl::StatusOr<CallCost> CheckSessionLimits(const internal::SessionPlan& plan, int threads,
+                                            const EngineOptions& o) {
+  ATTN_RETURN_IF_ERROR(CheckTensorLimits(*plan.args, o));
+  ATTN_RETURN_IF_ERROR(CheckShapeLimits(internal::FullShape(plan), plan.args->need_weights, o));
+  const CallCost cost = internal::SessionCost(plan, threads);
+  ATTN_RETURN_IF_ERROR(CheckCost(cost, o));
+  return cost;
+}
+
 }  // namespace
 
 // The worker thread runs every Attend / AttendBatch, in arrival order, and the
@@ -236,6 +248,10 @@ absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const 
 }
 
 absl::StatusOr<CallCost> Engine::CostOf(const EngineCall& call) const {
+  if (call.session != nullptr) {
+    ATTN_ASSIGN_OR_RETURN(const internal::SessionPlan plan, internal::PlanSession(call));
+    return CheckSessionLimits(plan, CostThreads(), options_);
+  }
   if (call.layer != nullptr) {
     ATTN_ASSIGN_OR_RETURN(internal::LayerPlan plan, internal::PlanLayer(*call.layer, *call.args));
     return CheckLayerLimits(*call.args, plan, *call.layer, CostThreads(), options_);
@@ -260,6 +276,7 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
   std::vector<absl::StatusOr<AttentionResult>> results(n);
   std::vector<std::optional<internal::LayerPlan>> plans(n);
   std::vector<std::optional<AttentionShape>> shapes(n);
+  std::vector<std::optional<internal::SessionPlan>> sessions(n);
   auto resolve = [&](const AttentionArgs& args) -> absl::StatusOr<AttentionShape> {
     ATTN_ASSIGN_OR_RETURN(AttentionShape shape, ResolveShape(args));
     ATTN_RETURN_IF_ERROR(CheckRawLimits(args, shape, CostThreads(), options_).status());
@@ -267,7 +284,17 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
   };
   // Validation runs on the caller's thread; only work reaches the compute thread.
   for (size_t i = 0; i < n; ++i) {
-    if (calls[i].layer != nullptr) {
+    if (calls[i].session != nullptr) {
+      absl::StatusOr<internal::SessionPlan> plan = OutOfMemoryAsStatus(
+          "session planning", [&] { return internal::PlanSession(calls[i]); });
+      absl::Status limits = plan.status();
+      if (plan.ok()) limits = CheckSessionLimits(*plan, CostThreads(), options_).status();
+      if (limits.ok()) {
+        sessions[i] = std::move(plan).value();
+      } else {
+        results[i] = limits;
+      }
+    } else if (calls[i].layer != nullptr) {
       absl::StatusOr<internal::LayerPlan> plan = OutOfMemoryAsStatus(
           "layer planning", [&] { return internal::PlanLayer(*calls[i].layer, *calls[i].args); });
       absl::Status limits = plan.status();
@@ -296,20 +323,61 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       results[i] = std::move(status);
       plans[i].reset();
     };
+    auto fail_session = [&](size_t i, absl::Status status) {
+      results[i] = std::move(status);
+      sessions[i].reset();
+    };
+    // The layer plan of call i, a session's or not; null for raw calls.
+    auto layer_plan = [&](size_t i) -> internal::LayerPlan* {
+      if (plans[i]) return &*plans[i];
+      if (sessions[i] && sessions[i]->layer_plan) return &*sessions[i]->layer_plan;
+      return nullptr;
+    };
     std::vector<internal::LinearJob> jobs;
     for (size_t i = 0; i < n; ++i) {
-      if (!plans[i]) continue;
+      internal::LayerPlan* lp = layer_plan(i);
+      if (lp == nullptr) continue;
       absl::StatusOr<std::vector<internal::LinearJob>> projections = OutOfMemoryAsStatus(
           "layer input projections", [&]() -> absl::StatusOr<std::vector<internal::LinearJob>> {
-            return internal::InputProjections(*plans[i]);
+            return internal::InputProjections(*lp);
           });
       if (projections.ok()) {
-        jobs.insert(jobs.end(), projections->begin(), projections->end());
-      } else {
+        // A read-only session call projects its query only.
+        for (const internal::LinearJob& job : *projections) {
+          if (job.rows > 0) jobs.push_back(job);
+        }
+      } else if (plans[i]) {
         fail_layer(i, projections.status());
+      } else {
+        fail_session(i, projections.status());
       }
     }
     const absl::Status projected = backend.LinearBatch(jobs);
+    // Sessions: the new rows into the caches, then the decode kernel for
+    // every call it computes, in one pass.
+    std::vector<internal::DecodeItem> decode_items;
+    std::vector<size_t> decoded;
+    for (size_t i = 0; i < n; ++i) {
+      if (!sessions[i]) continue;
+      absl::Status appended = projected;
+      if (appended.ok()) {
+        appended = OutOfMemoryAsStatus("session append",
+                                       [&] { return internal::AppendRows(*sessions[i]); });
+      }
+      if (appended.ok() && calls[i].interrupt != nullptr) appended = (*calls[i].interrupt)();
+      if (!appended.ok()) {
+        fail_session(i, appended);
+        continue;
+      }
+      if (!sessions[i]->decode) continue;
+      const std::vector<internal::DecodeItem> items = internal::DecodeItems(*sessions[i]);
+      decode_items.insert(decode_items.end(), items.begin(), items.end());
+      decoded.push_back(i);
+    }
+    internal::RunDecode(decode_items, backend.threads());
+    for (size_t i : decoded) {
+      results[i] = internal::TakeResult(*sessions[i]);
+    }
     for (size_t i = 0; i < n; ++i) {
       if (!plans[i]) continue;
       if (!projected.ok()) {
@@ -333,17 +401,46 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       work.push_back({plans[i] ? &plans[i]->inner : calls[i].args, *shapes[i], calls[i].interrupt});
       index.push_back(i);
     }
+    // Session calls the decode kernel does not compute: one backend call per
+    // batch row, in the same pass.
+    std::vector<std::pair<size_t, size_t>> row_calls;  // call, its first work item
+    for (size_t i = 0; i < n; ++i) {
+      if (!sessions[i] || sessions[i]->decode) continue;
+      absl::StatusOr<std::vector<internal::BackendCall>> rows = OutOfMemoryAsStatus(
+          "session rows", [&] { return internal::RowCalls(*sessions[i], calls[i].interrupt); });
+      if (!rows.ok()) {
+        fail_session(i, rows.status());
+        continue;
+      }
+      row_calls.emplace_back(i, work.size());
+      work.insert(work.end(), rows->begin(), rows->end());
+    }
     std::vector<absl::StatusOr<AttentionResult>> computed = backend.RunBatch(work);
     for (size_t w = 0; w < index.size(); ++w) results[index[w]] = std::move(computed[w]);
+    for (const auto& [i, first] : row_calls) {
+      const auto begin = computed.begin() + static_cast<ptrdiff_t>(first);
+      std::vector<absl::StatusOr<AttentionResult>> rows(
+          std::make_move_iterator(begin),
+          std::make_move_iterator(begin + sessions[i]->shape.batch));
+      absl::Status gathered = OutOfMemoryAsStatus("session results", [&] {
+        return internal::GatherRowResults(*sessions[i], std::move(rows));
+      });
+      if (gathered.ok()) {
+        results[i] = internal::TakeResult(*sessions[i]);
+      } else {
+        fail_session(i, gathered);
+      }
+    }
 
     jobs.clear();
     std::vector<FloatBuffer> projected_out(n);
     std::vector<size_t> layer_calls;
     for (size_t i = 0; i < n; ++i) {
-      if (!plans[i] || !results[i].ok()) continue;
+      const internal::LayerPlan* lp = layer_plan(i);
+      if (lp == nullptr || !results[i].ok()) continue;
       absl::StatusOr<internal::LinearJob> job = OutOfMemoryAsStatus(
           "layer output projection", [&]() -> absl::StatusOr<internal::LinearJob> {
-            return internal::OutputProjection(*plans[i], results[i]->output.data, projected_out[i]);
+            return internal::OutputProjection(*lp, results[i]->output.data, projected_out[i]);
           });
       if (job.ok()) {
         jobs.push_back(*job);

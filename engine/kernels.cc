@@ -229,4 +229,45 @@ ATTN_CLONES float TanhDot(const float* w, const float* a, const float* b, int64_
   return acc;
 }
 
+ATTN_CLONES void DotRows(const float* q, const float* k, int64_t n, int64_t d, float scale,
+                         float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + j * d;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t e = 0; e < d; ++e) acc += q[e] * kj[e];
+    s[j] = acc * scale;
+  }
+}
+
+ATTN_CLONES void DotRowsBFloat16(const float* q, const uint16_t* k, int64_t n, int64_t d,
+                                 float scale, float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* kj = k + j * d;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t e = 0; e < d; ++e) acc += q[e] * BitsToFloat(static_cast<uint32_t>(kj[e]) << 16);
+    s[j] = acc * scale;
+  }
+}
+
+ATTN_CLONES void AccumulateRows(const float* p, const float* v, int64_t n, int64_t d, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const float* vj = v + j * d;
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) acc[e] += pj * vj[e];
+  }
+}
+
+ATTN_CLONES void AccumulateRowsBFloat16(const float* p, const uint16_t* v, int64_t n, int64_t d,
+                                        float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const uint16_t* vj = v + j * d;
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) acc[e] += pj * BitsToFloat(static_cast<uint32_t>(vj[e]) << 16);
+  }
+}
+
 }  // namespace attention::internal

@@ -51,6 +51,14 @@ void FromBFloat16(const uint16_t* x, float* y, int64_t n);
 // sum_d a[d] * b[d] and sum_d (a[d] - b[d])^2 in float.
 float Dot(const float* a, const float* b, int64_t n);
 float SquaredDistance(const float* a, const float* b, int64_t n);
+// s[j] = scale * sum_e q[e] * k[j * d + e] for j < n: one query row against
+// n key rows of a session cache, stored as float32 or bfloat16.
+void DotRows(const float* q, const float* k, int64_t n, int64_t d, float scale, float* s);
+void DotRowsBFloat16(const float* q, const uint16_t* k, int64_t n, int64_t d, float scale,
+                     float* s);
+// acc[e] += sum_j p[j] * v[j * d + e] for e < d: softmax-weighted value rows.
+void AccumulateRows(const float* p, const float* v, int64_t n, int64_t d, float* acc);
+void AccumulateRowsBFloat16(const float* p, const uint16_t* v, int64_t n, int64_t d, float* acc);
 // sum_u w[u] * tanh(a[u] + b[u])   (additive score)
 float TanhDot(const float* w, const float* a, const float* b, int64_t n);
 

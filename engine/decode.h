@@ -1,0 +1,51 @@
+#ifndef ATTENTION_ENGINE_DECODE_H_
+#define ATTENTION_ENGINE_DECODE_H_
+
+// Attention of a few query rows over a session's cache (engine/kv_cache.h):
+// the decode step of a generating model. Memory-bound: each cached key and
+// value row is read once per step, for every query head that shares its
+// key/value head, and long caches are split across threads whose partial
+// softmaxes are merged at the end (flash-decoding). Engine-private.
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "engine/kv_cache.h"
+
+namespace attention::internal {
+
+// One key/value head of one session, and the query rows that attend over it:
+// `group` query heads (those sharing this key/value head) x `query_len` rows.
+struct DecodeItem {
+  const KvCache* cache = nullptr;
+  int64_t kv_head = 0;
+  // Cached rows attended: the first `keys` rows of the cache.
+  int64_t keys = 0;
+  // Keys after the cached ones, float32, never masked (a layer's bias_k /
+  // bias_v and zero-attention keys).
+  const float* tail_k[2] = {nullptr, nullptr};
+  const float* tail_v[2] = {nullptr, nullptr};
+  int tail = 0;
+  int64_t group = 1;
+  int64_t query_len = 1;
+  // Row i of query head g of the group: q + g * q_head_stride + i * q_pos_stride
+  // (key_dim floats); its output likewise in `out` (value_dim floats).
+  const float* q = nullptr;
+  int64_t q_head_stride = 0, q_pos_stride = 0;
+  float* out = nullptr;
+  int64_t out_head_stride = 0, out_pos_stride = 0;
+  float scale = 1.0f;
+  // BOTTOM_RIGHT: query row i sees cached keys j <= i + keys - query_len.
+  bool causal = false;
+};
+
+// Most query rows (group x query_len) of one item.
+inline constexpr int64_t kMaxDecodeRows = 64;
+
+// Computes every item's output on up to `threads` OpenMP threads. A row
+// that sees no key gets a zero output, as the other paths give.
+void RunDecode(absl::Span<const DecodeItem> items, int threads);
+
+}  // namespace attention::internal
+
+#endif  // ATTENTION_ENGINE_DECODE_H_

@@ -1,0 +1,540 @@
+// Engine calls with sessions (engine/kv_cache.h): every answer must equal the
+// stateless call whose key and value are every row appended so far.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/half.h"
+#include "engine/engine.h"
+#include "engine/kv_cache.h"
+#include "engine/multihead.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/golden_case.h"
+#include "tests/status_matchers.h"
+
+namespace attention {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::IsOk;
+using testing::StatusIs;
+
+struct Input {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+  TensorView view() const {
+    return TensorView{DType::kFloat32, shape, values.data(), values.size() * sizeof(float)};
+  }
+};
+
+Input Random(std::vector<int64_t> shape, uint32_t seed) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  Input in{std::move(shape), std::vector<float>(static_cast<size_t>(n))};
+  for (float& x : in.values) x = dist(rng);
+  return in;
+}
+
+// Concatenates a and b along `axis` (their other dims equal).
+Input Concat(const Input& a, const Input& b, size_t axis) {
+  if (a.values.empty()) return b;
+  Input out{a.shape, {}};
+  out.shape[axis] += b.shape[axis];
+  int64_t outer = 1, inner_a = 1, inner_b = 1;
+  for (size_t d = 0; d < axis; ++d) outer *= a.shape[d];
+  for (size_t d = axis; d < a.shape.size(); ++d) {
+    inner_a *= a.shape[d];
+    inner_b *= b.shape[d];
+  }
+  for (int64_t o = 0; o < outer; ++o) {
+    out.values.insert(out.values.end(), a.values.begin() + o * inner_a,
+                      a.values.begin() + (o + 1) * inner_a);
+    out.values.insert(out.values.end(), b.values.begin() + o * inner_b,
+                      b.values.begin() + (o + 1) * inner_b);
+  }
+  return out;
+}
+
+// Batch row b of a batch-first tensor, as a batch of one.
+Input Row(const Input& x, int64_t b) {
+  Input out{x.shape, {}};
+  out.shape[0] = 1;
+  const int64_t n = static_cast<int64_t>(x.values.size()) / x.shape[0];
+  out.values.assign(x.values.begin() + b * n, x.values.begin() + (b + 1) * n);
+  return out;
+}
+
+void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, float tolerance,
+                const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  float worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::abs(got[i] - want[i]) / (1.0f + std::abs(want[i])));
+  }
+  EXPECT_LE(worst, tolerance) << what;
+}
+
+std::vector<float> Values(const FloatBuffer& b) { return {b.begin(), b.end()}; }
+
+std::unique_ptr<KvCache> NewCache(int64_t heads, int64_t kd, int64_t vd,
+                                  DType dtype = DType::kFloat32) {
+  return std::move(KvCache::Create(heads, kd, vd, dtype)).value();
+}
+
+class SessionTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    EngineOptions options;
+    options.backend = GetParam();
+    engine_ = std::move(Engine::Create(options)).value();
+  }
+
+  // One session call on `caches`, committed when it succeeds.
+  absl::StatusOr<AttentionResult> Step(const AttentionArgs& args, std::vector<KvCache*> caches,
+                                       const MultiheadAttention* layer = nullptr,
+                                       bool read_only = false) {
+    SessionCall session{std::move(caches), read_only};
+    EngineCall call{&args, layer};
+    call.session = &session;
+    absl::StatusOr<AttentionResult> r = std::move(engine_->AttendBatch({&call, 1}).front());
+    for (KvCache* c : session.caches) {
+      if (r.ok()) {
+        c->Commit();
+      } else {
+        c->Rollback();
+      }
+    }
+    return r;
+  }
+
+  std::unique_ptr<Engine> engine_;
+};
+
+TEST(KvCacheTest, AppendsIntoFixedBlocksAndRollsBack) {
+  auto cache = NewCache(2, 3, 4);
+  EXPECT_EQ(cache->block_bytes(), KvCache::kBlockRows * 2 * (3 + 4) * 4);
+  EXPECT_EQ(cache->BytesFor(0), 0);
+  EXPECT_EQ(cache->BytesFor(65), 2 * cache->block_bytes());
+  // Rows of [heads, dim]: row r head h element e = 100 r + 10 h + e.
+  std::vector<float> k(70 * 2 * 3), v(70 * 2 * 4);
+  for (int r = 0; r < 70; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      for (int e = 0; e < 3; ++e) k[(r * 2 + h) * 3 + e] = 100.0f * r + 10 * h + e;
+      for (int e = 0; e < 4; ++e) v[(r * 2 + h) * 4 + e] = -100.0f * r - 10 * h - e;
+    }
+  }
+  ASSERT_THAT(cache->Append(70, k.data(), 6, 3, v.data(), 8, 4), IsOk());
+  EXPECT_EQ(cache->length(), 0);
+  EXPECT_EQ(cache->pending(), 70);
+  EXPECT_EQ(cache->bytes(), 2 * cache->block_bytes());
+  cache->Commit();
+  EXPECT_EQ(cache->length(), 70);
+  float key[3], value[4];
+  cache->ReadKey(66, 1, key);
+  cache->ReadValue(66, 1, value);
+  EXPECT_EQ(key[2], 6612.0f);
+  EXPECT_EQ(value[3], -6613.0f);
+  // A failed call's rows go, and the blocks only they used.
+  ASSERT_THAT(cache->Append(60, k.data(), 6, 3, v.data(), 8, 4), IsOk());
+  EXPECT_EQ(cache->bytes(), 3 * cache->block_bytes());
+  cache->Rollback();
+  EXPECT_EQ(cache->length(), 70);
+  EXPECT_EQ(cache->pending(), 0);
+  EXPECT_EQ(cache->bytes(), 2 * cache->block_bytes());
+  cache->ReadKey(69, 0, key);
+  EXPECT_EQ(key[0], 6900.0f);
+}
+
+TEST(KvCacheTest, RejectsBadDimsAndDtypes) {
+  EXPECT_THAT(KvCache::Create(0, 4, 4, DType::kFloat32).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("kv_heads 0")));
+  EXPECT_THAT(KvCache::Create(1, 4, 4, DType::kFloat16).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("FLOAT16")));
+}
+
+TEST(KvCacheTest, BFloat16StorageRoundsToNearestEven) {
+  auto cache = NewCache(1, 2, 2, DType::kBFloat16);
+  const float k[2] = {1.00390625f, 3.14159f}, v[2] = {-2.5f, 1e-3f};
+  ASSERT_THAT(cache->Append(1, k, 2, 2, v, 2, 2), IsOk());
+  float key[2], value[2];
+  cache->ReadKey(0, 0, key);
+  cache->ReadValue(0, 0, value);
+  EXPECT_EQ(key[0], BFloat16ToFloat(FloatToBFloat16(k[0])));
+  EXPECT_EQ(key[1], BFloat16ToFloat(FloatToBFloat16(k[1])));
+  EXPECT_EQ(value[0], -2.5f);
+  EXPECT_EQ(cache->bytes(), KvCache::kBlockRows * 4 * 2);
+}
+
+// A prefill of 70 rows (across a block boundary) and then single-row steps,
+// rank 3 with heads, each answer against the stateless call.
+TEST_P(SessionTest, PrefillThenStepsMatchTheStatelessCall) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const float tolerance = dtype == DType::kFloat32 ? 2e-5f : 2e-2f;
+    auto cache = NewCache(4, 8, 8, dtype);
+    Input keys, values;
+    uint32_t seed = 1;
+    for (int64_t rows : {70, 1, 1, 1, 3, 1}) {
+      const Input q = Random({1, rows, 32}, seed++), k = Random({1, rows, 32}, seed++),
+                  v = Random({1, rows, 32}, seed++);
+      keys = Concat(keys, k, 1);
+      values = Concat(values, v, 1);
+      AttentionArgs args;
+      args.query = q.view();
+      args.key = k.view();
+      args.value = v.view();
+      args.num_heads = 4;
+      args.mask.causal = Causal::kBottomRight;
+      absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
+      ASSERT_THAT(got.status(), IsOk());
+      AttentionArgs whole = args;
+      whole.key = keys.view();
+      whole.value = values.view();
+      absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+      ASSERT_THAT(want.status(), IsOk());
+      EXPECT_EQ(got->output.shape, want->output.shape);
+      ExpectNear(Values(got->output.data), Values(want->output.data), tolerance,
+                 absl::StrCat("after ", cache->length(), " rows"));
+    }
+    EXPECT_EQ(cache->length(), 77);
+  }
+}
+
+// Rows of one request with caches of different lengths: each as its own call.
+TEST_P(SessionTest, RaggedRowsAreEachTheirOwnCall) {
+  std::vector<std::unique_ptr<KvCache>> caches;
+  std::vector<Input> keys(3), values(3);
+  for (int b = 0; b < 3; ++b) {
+    caches.push_back(NewCache(2, 8, 8));
+    const Input k = Random({1, 10 + 60 * b, 16}, 10 + b), v = Random({1, 10 + 60 * b, 16}, 20 + b);
+    AttentionArgs args;
+    args.query = k.view();
+    args.key = k.view();
+    args.value = v.view();
+    args.num_heads = 2;
+    ASSERT_THAT(Step(args, {caches[b].get()}).status(), IsOk());
+    keys[b] = k;
+    values[b] = v;
+  }
+  for (bool need_weights : {false, true}) {
+    SCOPED_TRACE(need_weights ? "general path" : "decode kernel");
+    const Input q = Random({3, 1, 16}, 31), k = Random({3, 1, 16}, 32), v = Random({3, 1, 16}, 33);
+    AttentionArgs args;
+    args.query = q.view();
+    args.key = k.view();
+    args.value = v.view();
+    args.num_heads = 2;
+    args.mask.causal = Causal::kBottomRight;
+    args.need_weights = need_weights;
+    absl::StatusOr<AttentionResult> got =
+        Step(args, {caches[0].get(), caches[1].get(), caches[2].get()});
+    ASSERT_THAT(got.status(), IsOk());
+    const int64_t width = 10 + 60 * 2 + (need_weights ? 2 : 1);  // the second step
+    if (need_weights) {
+      EXPECT_EQ(got->weights.shape, (std::vector<int64_t>{3, 2, 1, width}));
+    }
+    for (int b = 0; b < 3; ++b) {
+      keys[b] = Concat(keys[b], Row(k, b), 1);
+      values[b] = Concat(values[b], Row(v, b), 1);
+      const Input qb = Row(q, b);
+      AttentionArgs whole = args;
+      whole.query = qb.view();
+      whole.key = keys[b].view();
+      whole.value = values[b].view();
+      absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+      ASSERT_THAT(want.status(), IsOk());
+      const std::vector<float> out = Values(got->output.data);
+      ExpectNear({out.begin() + b * 16, out.begin() + (b + 1) * 16}, Values(want->output.data),
+                 2e-5f, absl::StrCat("row ", b));
+      if (!need_weights) continue;
+      const int64_t keys_b = keys[b].shape[1];
+      for (int h = 0; h < 2; ++h) {
+        const float* row = got->weights.data.data() + (b * 2 + h) * width;
+        ExpectNear({row, row + keys_b},
+                   {want->weights.data.begin() + h * keys_b,
+                    want->weights.data.begin() + (h + 1) * keys_b},
+                   2e-5f, absl::StrCat("weights row ", b, " head ", h));
+        EXPECT_TRUE(std::all_of(row + keys_b, row + width, [](float w) { return w == 0; }));
+      }
+    }
+  }
+}
+
+// Rank 4, 8 query heads over 2 key/value heads, with a cache long enough to
+// be split across threads (and one that is not).
+TEST_P(SessionTest, GroupedQueryHeadsShareTheirKeyValueHead) {
+  for (int64_t prefill : {5, 3000}) {
+    SCOPED_TRACE(prefill);
+    auto cache = NewCache(2, 16, 16);
+    const Input k0 = Random({1, 2, prefill, 16}, 41), v0 = Random({1, 2, prefill, 16}, 42);
+    const Input q0 = Random({1, 8, prefill, 16}, 43);
+    AttentionArgs args;
+    args.query = q0.view();
+    args.key = k0.view();
+    args.value = v0.view();
+    args.mask.causal = Causal::kBottomRight;
+    ASSERT_THAT(Step(args, {cache.get()}).status(), IsOk());
+    const Input q = Random({1, 8, 2, 16}, 44), k = Random({1, 2, 2, 16}, 45),
+                v = Random({1, 2, 2, 16}, 46);
+    args.query = q.view();
+    args.key = k.view();
+    args.value = v.view();
+    absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
+    ASSERT_THAT(got.status(), IsOk());
+    const Input keys = Concat(k0, k, 2), values = Concat(v0, v, 2);
+    AttentionArgs whole = args;
+    whole.key = keys.view();
+    whole.value = values.view();
+    absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+    ASSERT_THAT(want.status(), IsOk());
+    EXPECT_EQ(got->output.shape, (std::vector<int64_t>{1, 8, 2, 16}));
+    ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "output");
+  }
+}
+
+// Scores other than dot products, and weights, take the general path.
+TEST_P(SessionTest, OtherScoresAndWeightsMatch) {
+  for (ScoreKind kind : {ScoreKind::kGaussian, ScoreKind::kCosine, ScoreKind::kDot,
+                         ScoreKind::kNegEuclidean}) {
+    auto cache = NewCache(1, 8, 4);
+    const Input k0 = Random({1, 1, 20, 8}, 51), v0 = Random({1, 1, 20, 4}, 52);
+    const Input q = Random({1, 1, 1, 8}, 53), k = Random({1, 1, 1, 8}, 54), v = Random({1, 1, 1, 4}, 55);
+    AttentionArgs args;
+    args.query = k0.view();
+    args.key = k0.view();
+    args.value = v0.view();
+    args.score.kind = kind;
+    ASSERT_THAT(Step(args, {cache.get()}).status(), IsOk());
+    args.query = q.view();
+    args.key = k.view();
+    args.value = v.view();
+    args.need_weights = true;
+    args.average_weights = true;
+    absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
+    ASSERT_THAT(got.status(), IsOk());
+    const Input keys = Concat(k0, k, 2), values = Concat(v0, v, 2);
+    AttentionArgs whole = args;
+    whole.key = keys.view();
+    whole.value = values.view();
+    absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+    ASSERT_THAT(want.status(), IsOk());
+    ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "output");
+    ExpectNear(Values(got->weights.data), Values(want->weights.data), 2e-5f, "weights");
+  }
+}
+
+TEST_P(SessionTest, ReadOnlyAttendsWithoutAppending) {
+  auto cache = NewCache(2, 4, 4);
+  const Input x = Random({1, 30, 8}, 61);
+  AttentionArgs args;
+  args.query = x.view();
+  args.num_heads = 2;
+  ASSERT_THAT(Step(args, {cache.get()}).status(), IsOk());
+  const int64_t bytes = cache->bytes();
+  const Input q = Random({1, 5, 8}, 62);
+  AttentionArgs read;
+  read.query = q.view();
+  read.num_heads = 2;
+  absl::StatusOr<AttentionResult> got = Step(read, {cache.get()}, nullptr, /*read_only=*/true);
+  ASSERT_THAT(got.status(), IsOk());
+  EXPECT_EQ(cache->length(), 30);
+  EXPECT_EQ(cache->bytes(), bytes);
+  AttentionArgs whole = read;
+  whole.key = x.view();
+  absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+  ASSERT_THAT(want.status(), IsOk());
+  ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "output");
+  read.key = q.view();
+  EXPECT_THAT(Step(read, {cache.get()}, nullptr, true).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("read_only")));
+}
+
+// A layer's cache holds its projected keys and values per head; bias_k /
+// bias_v and the zero-attention key come after every cached row.
+TEST_P(SessionTest, LayersCacheTheirProjections) {
+  const testing::GoldenCase c = testing::LoadGoldenCase("mha_bias_kv_zero_attn");
+  auto with_extras = std::move(MultiheadAttention::Create(testing::MultiheadConfigOf(c),
+                                                          testing::StateDictOf(c)))
+                         .value();
+  MultiheadConfig plain_config;
+  plain_config.embed_dim = 16;
+  plain_config.num_heads = 4;
+  plain_config.kdim = 6;
+  plain_config.vdim = 10;
+  StateDict weights;
+  uint32_t seed = 70;
+  for (const auto& [key, shape] : MultiheadAttention::ExpectedWeights(plain_config)) {
+    const Input w = Random(shape, seed++);
+    weights[key] = Tensor{shape, FloatBuffer(w.values.begin(), w.values.end())};
+  }
+  auto plain = std::move(MultiheadAttention::Create(plain_config, std::move(weights))).value();
+  for (const MultiheadAttention* layer : {with_extras.get(), plain.get()}) {
+    const MultiheadConfig& config = layer->config();
+    SCOPED_TRACE(config.embed_dim);
+    const int64_t e = config.embed_dim, heads = config.num_heads;
+    auto cache = NewCache(heads, e / heads, e / heads);
+    Input keys, values;
+    for (int64_t rows : {9, 1, 1, 2}) {
+      // Sequence-first, as torch's default.
+      const Input q = Random({rows, 1, e}, seed++), k = Random({rows, 1, config.key_dim()}, seed++),
+                  v = Random({rows, 1, config.value_dim()}, seed++);
+      keys = Concat(keys, k, 0);
+      values = Concat(values, v, 0);
+      AttentionArgs args;
+      args.query = q.view();
+      args.key = k.view();
+      args.value = v.view();
+      args.layout = Layout::kSequenceFirst;
+      args.mask.causal = Causal::kBottomRight;
+      absl::StatusOr<AttentionResult> got = Step(args, {cache.get()}, layer);
+      ASSERT_THAT(got.status(), IsOk());
+      AttentionArgs whole = args;
+      whole.key = keys.view();
+      whole.value = values.view();
+      whole.need_weights = true;
+      absl::StatusOr<AttentionResult> want = layer->Forward(*engine_, whole);
+      ASSERT_THAT(want.status(), IsOk());
+      EXPECT_EQ(got->output.shape, want->output.shape);
+      ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f,
+                 absl::StrCat(rows, " rows"));
+      args.need_weights = true;  // the general path, from a read-only call
+      args.key = TensorView{};
+      args.value = TensorView{};
+      absl::StatusOr<AttentionResult> read = Step(args, {cache.get()}, layer, true);
+      ASSERT_THAT(read.status(), IsOk());
+      ExpectNear(Values(read->output.data), Values(want->output.data), 2e-5f, "read-only");
+      ExpectNear(Values(read->weights.data), Values(want->weights.data), 2e-5f, "weights");
+    }
+  }
+}
+
+// Session calls batched with each other and with a stateless call: each gets
+// what it gets alone.
+TEST_P(SessionTest, BatchedSessionCallsGetTheirOwnResults) {
+  std::vector<std::unique_ptr<KvCache>> caches, alone;
+  std::vector<Input> inputs;
+  for (int i = 0; i < 3; ++i) {
+    caches.push_back(NewCache(4, 8, 8));
+    alone.push_back(NewCache(4, 8, 8));
+    inputs.push_back(Random({1, 40 + i, 32}, 80 + i));
+    AttentionArgs args;
+    args.query = inputs.back().view();
+    args.num_heads = 4;
+    ASSERT_THAT(Step(args, {caches[i].get()}).status(), IsOk());
+    ASSERT_THAT(Step(args, {alone[i].get()}).status(), IsOk());
+  }
+  const Input step = Random({1, 1, 32}, 90), raw = Random({2, 7, 32}, 91);
+  std::vector<AttentionArgs> args(4);
+  std::vector<SessionCall> sessions(3);
+  std::vector<EngineCall> calls(4);
+  for (int i = 0; i < 3; ++i) {
+    args[i].query = step.view();
+    args[i].num_heads = 4;
+    args[i].need_weights = i == 2;
+    sessions[i].caches = {caches[i].get()};
+    calls[i] = EngineCall{&args[i], nullptr};
+    calls[i].session = &sessions[i];
+  }
+  args[3].query = raw.view();
+  args[3].num_heads = 4;
+  calls[3] = EngineCall{&args[3], nullptr};
+  std::vector<absl::StatusOr<AttentionResult>> batched = engine_->AttendBatch(calls);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_THAT(batched[i].status(), IsOk());
+    caches[i]->Commit();
+    absl::StatusOr<AttentionResult> own = Step(args[i], {alone[i].get()});
+    ASSERT_THAT(own.status(), IsOk());
+    EXPECT_EQ(Values(batched[i]->output.data), Values(own->output.data)) << i;
+    EXPECT_EQ(caches[i]->length(), alone[i]->length());
+  }
+  absl::StatusOr<AttentionResult> own = engine_->Attend(args[3]);
+  ASSERT_THAT(batched[3].status(), IsOk());
+  EXPECT_EQ(Values(batched[3]->output.data), Values(own->output.data));
+}
+
+TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
+  auto cache = NewCache(2, 4, 4);
+  const Input x = Random({1, 3, 8}, 100);
+  AttentionArgs args;
+  args.query = x.view();
+  args.num_heads = 2;
+  ASSERT_THAT(Step(args, {cache.get()}).status(), IsOk());
+  const int64_t bytes = cache->bytes();
+  struct Case {
+    const char* name;
+    std::function<void(AttentionArgs&)> change;
+    absl::StatusCode code;
+    const char* message;
+  };
+  const Input lens{{1}, {1.0f}};
+  const std::vector<Case> cases = {
+      {"top left", [](AttentionArgs& a) { a.mask.causal = Causal::kTopLeft; },
+       absl::StatusCode::kInvalidArgument, "mask.causal: TOP_LEFT"},
+      {"padding", [&](AttentionArgs& a) { a.mask.key_padding_mask = x.view(); },
+       absl::StatusCode::kInvalidArgument, "mask.key_padding_mask: not supported with sessions"},
+      {"dropout", [](AttentionArgs& a) { a.dropout_p = 0.5; },
+       absl::StatusCode::kInvalidArgument, "dropout_p"},
+      {"heads", [](AttentionArgs& a) { a.num_heads = 4; }, absl::StatusCode::kInvalidArgument,
+       "session.ids[0]: the session holds 2 key/value heads of 4"},
+  };
+  for (const Case& c : cases) {
+    AttentionArgs bad = args;
+    c.change(bad);
+    EXPECT_THAT(Step(bad, {cache.get()}).status(), StatusIs(c.code, HasSubstr(c.message)))
+        << c.name;
+    EXPECT_EQ(cache->length(), 3) << c.name;
+    EXPECT_EQ(cache->bytes(), bytes) << c.name;
+  }
+  const Input two = Random({2, 1, 8}, 101);
+  args.query = two.view();
+  EXPECT_THAT(Step(args, {cache.get()}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("session.ids: 1 sessions do not match the batch size 2")));
+  // Rows neither committed nor dropped: a caller's bug, not the request's.
+  args.query = x.view();
+  SessionCall session{{cache.get()}, false};
+  EngineCall call{&args, nullptr};
+  call.session = &session;
+  ASSERT_THAT(engine_->AttendBatch({&call, 1}).front().status(), IsOk());
+  EXPECT_THAT(engine_->AttendBatch({&call, 1}).front().status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("neither committed")));
+  cache->Rollback();
+  EXPECT_EQ(cache->length(), 3);
+  EXPECT_EQ(cache->bytes(), bytes);
+}
+
+TEST_P(SessionTest, CostCountsEveryCachedRow) {
+  auto cache = NewCache(1, 64, 64);
+  const Input prefill = Random({1, 1000, 64}, 110), step = Random({1, 1, 64}, 111);
+  AttentionArgs args;
+  args.query = prefill.view();
+  ASSERT_THAT(Step(args, {cache.get()}).status(), IsOk());
+  args.query = step.view();
+  SessionCall session{{cache.get()}, false};
+  EngineCall call{&args, nullptr};
+  call.session = &session;
+  absl::StatusOr<CallCost> cost = engine_->CostOf(call);
+  ASSERT_THAT(cost.status(), IsOk());
+  // q.k and p.v over 1001 keys of 64: 2 * 1001 * 128 multiply-adds at least.
+  EXPECT_GE(cost->flops, 2.0 * 1001 * 128);
+  EXPECT_EQ(cost->output_elements, 64);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, SessionTest,
+                         ::testing::Values(Backend::kOneDnn, Backend::kReference),
+                         [](const auto& info) {
+                           return info.param == Backend::kOneDnn ? "onednn" : "reference";
+                         });
+
+}  // namespace
+}  // namespace attention
