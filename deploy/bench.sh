@@ -8,6 +8,8 @@
 #                                        measured time and peak RSS per score kind
 #   bash deploy/bench.sh memory         server_memory_check: how far long calls
 #                                        grow attention_server's peak RSS
+#   bash deploy/bench.sh decode [ARGS]   decode_bench ARGS: sessions' decode against a
+#                                        memory-read probe, BFLOAT16 caches, prefill
 #   bash deploy/bench.sh loadtest [SECS] attention_loadtest's own CPU use and rate
 #                                        accuracy up to the server's capacity
 #                                        (deploy/loadtest_bench.sh)
@@ -16,7 +18,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 which=all
 case "${1:-}" in
-  engine | server | cost | memory | loadtest) which=$1; shift ;;
+  engine | server | cost | memory | decode | loadtest) which=$1; shift ;;
 esac
 
 bash deploy/install-deps.sh
@@ -26,6 +28,7 @@ case "$which" in
   server) targets=(attention_server_bench) ;;
   cost) targets=(cost_model_check) ;;
   memory) targets=(attention_server server_memory_check) ;;
+  decode) targets=(decode_bench) ;;
   loadtest) targets=(attention_server attention_cli attention_loadtest) ;;
   *) targets=(attention_bench attention_server_bench) ;;
 esac
@@ -35,6 +38,7 @@ case "$which" in
   server) build-release/attention_server_bench "$@" ;;
   cost) build-release/cost_model_check ;;
   memory) build-release/server_memory_check build-release/attention_server ;;
+  decode) build-release/decode_bench "$@" ;;
   loadtest)
     bash deploy/loadtest_bench.sh build-release/attention_server build-release/attention_cli \
       build-release/attention_loadtest "$@"

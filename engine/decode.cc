@@ -2,6 +2,12 @@
 
 #include <omp.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define ATTN_DECODE_AVX512 1
+#define ATTN_AVX512 __attribute__((target("avx512f")))
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -32,24 +38,214 @@ struct Unit {
   float* partial = nullptr;
 };
 
-// Folds scores s[0, visible) of one query row (already scaled, overwritten
-// with their exponentials) and the value rows they weigh into the row's
-// running softmax [m, l, acc...].
-template <typename ValueRows>
-void Fold(float* s, int64_t visible, int64_t value_dim, float* row_partial, ValueRows values) {
-  if (visible <= 0) return;
+// Folds a block's scores s[0, visible) of one query row (already scaled)
+// into the row's running softmax [m, l, acc...] at row_partial: rescales acc
+// to the new max and turns s[0, n) into the weights of the block's value
+// rows, exp(s - max) below `visible` and 0 from there on, which the caller
+// then adds to acc.
+void Prepare(float* s, int64_t visible, int64_t n, int64_t value_dim, float* row_partial) {
   float& m = row_partial[0];
   float& l = row_partial[1];
-  float* acc = row_partial + 2;
-  const float block_max = RowMax(s, visible);
+  const float block_max = visible > 0 ? RowMax(s, visible) : -std::numeric_limits<float>::infinity();
   const float m_new = std::isnan(block_max) || block_max > m ? block_max : m;
-  if (m_new == -std::numeric_limits<float>::infinity()) return;  // every score -inf so far
+  if (visible <= 0 || m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
+    std::fill(s, s + n, 0.0f);
+    return;
+  }
   const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - m_new);
   const float sum = ExpShiftSum(s, visible, m_new);
-  if (correction != 1.0f) Scale(acc, value_dim, correction);
+  std::fill(s + visible, s + n, 0.0f);
+  if (correction != 1.0f) Scale(row_partial + 2, value_dim, correction);
   l = l * correction + sum;
   m = m_new;
-  values(s, visible, acc);
+}
+
+// Up to kScoreRows query rows' scores against one block's keys at a time:
+// each key element loaded once for all of them.
+constexpr int kScoreRows = 4;
+
+// s[r * kBlockRows + j] = scale * q_r . k_j for the `rows` rows q[r] and
+// the block's keys kt (transposed, engine/kv_cache.h); n of them are rows
+// of the sequence. next_k (may be null): the next block's keys, `next_bytes`
+// of them, prefetched meanwhile so that the thread keeps memory busy.
+using ScoresFn = void (*)(const float* const* q, int rows, const void* kt, int64_t n, int64_t d,
+                          float scale, float* s, const char* next_k);
+// acc[r] += sum_{j < n} p[r * kBlockRows + j] v_j for `rows` rows, over
+// value rows v (row-major, dim d): each value row read once for all of them;
+// next_v as next_k.
+using AccumulateFn = void (*)(const float* p, int rows, float* const* acc, const void* v,
+                              int64_t n, int64_t d, const char* next_v);
+
+template <bool kBf16>
+void GenericScores(const float* const* q, int rows, const void* kt, int64_t n, int64_t d,
+                   float scale, float* s, const char*) {
+  for (int r = 0; r < rows; ++r) {
+    if (kBf16) {
+      DotTransposedBFloat16(q[r], static_cast<const uint16_t*>(kt), kBlockRows, n, d, scale,
+                            s + r * kBlockRows);
+    } else {
+      DotTransposed(q[r], static_cast<const float*>(kt), kBlockRows, n, d, scale,
+                    s + r * kBlockRows);
+    }
+  }
+}
+
+template <bool kBf16>
+void GenericAccumulate(const float* p, int rows, float* const* acc, const void* v, int64_t n,
+                       int64_t d, const char*) {
+  for (int r = 0; r < rows; ++r) {
+    if (kBf16) {
+      AccumulateRowsBFloat16(p + r * kBlockRows, static_cast<const uint16_t*>(v), n, d, acc[r]);
+    } else {
+      AccumulateRows(p + r * kBlockRows, static_cast<const float*>(v), n, d, acc[r]);
+    }
+  }
+}
+
+#ifdef ATTN_DECODE_AVX512
+
+// 16 elements at `p` (float32 or bfloat16) as float32.
+template <bool kBf16>
+ATTN_AVX512 inline __m512 Load16(const void* p) {
+  if constexpr (kBf16) {
+    const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    // The maskz forms: GCC 12 warns on the plain ones' undefined operand.
+    return _mm512_castsi512_ps(
+        _mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, h), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(p));
+  }
+}
+
+template <int kRows, bool kBf16>
+ATTN_AVX512 void Avx512ScoresOf(const float* const* q, const void* kt, int64_t d, float scale,
+                                float* s, const char* next_k) {
+  constexpr int64_t kElement = kBf16 ? 2 : 4;
+  constexpr int64_t kRowBytes = kBlockRows * kElement;  // one key element, every key
+  const char* base = static_cast<const char*>(kt);
+  __m512 acc[kRows][4];
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t e = 0; e < d; ++e) {
+    const char* row = base + e * kRowBytes;
+    const __m512 k0 = Load16<kBf16>(row), k1 = Load16<kBf16>(row + 16 * kElement),
+                 k2 = Load16<kBf16>(row + 32 * kElement), k3 = Load16<kBf16>(row + 48 * kElement);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 qe = _mm512_set1_ps(q[r][e]);
+      acc[r][0] = _mm512_fmadd_ps(k0, qe, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(k1, qe, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(k2, qe, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(k3, qe, acc[r][3]);
+    }
+    if (next_k != nullptr) {
+      for (int64_t off = 0; off < kRowBytes; off += 64) {
+        _mm_prefetch(next_k + e * kRowBytes + off, _MM_HINT_T0);
+      }
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < 4; ++t) {
+      _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
+    }
+  }
+}
+
+// Whole blocks are computed (the rows past n are zeros); n only bounds
+// what the caller reads.
+template <bool kBf16>
+ATTN_AVX512 void Avx512Scores(const float* const* q, int rows, const void* kt, int64_t, int64_t d,
+                              float scale, float* s, const char* next_k) {
+  switch (rows) {
+    case 1: return Avx512ScoresOf<1, kBf16>(q, kt, d, scale, s, next_k);
+    case 2: return Avx512ScoresOf<2, kBf16>(q, kt, d, scale, s, next_k);
+    case 3: return Avx512ScoresOf<3, kBf16>(q, kt, d, scale, s, next_k);
+    default: return Avx512ScoresOf<4, kBf16>(q, kt, d, scale, s, next_k);
+  }
+}
+
+// d = 16 * kChunks, kRows rows: the sums stay in registers across the block.
+template <bool kBf16, int kChunks, int kRows>
+ATTN_AVX512 void Avx512AccumulateOf(const float* p, float* const* acc, const void* v, int64_t n,
+                                    const char* next_v) {
+  constexpr int64_t kElement = kBf16 ? 2 : 4;
+  constexpr int64_t kRowBytes = kChunks * 16 * kElement;
+  const char* base = static_cast<const char*>(v);
+  __m512 a[kRows][kChunks];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc[r] + 16 * c);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = base + j * kRowBytes;
+    __m512 vj[kChunks];
+    for (int c = 0; c < kChunks; ++c) vj[c] = Load16<kBf16>(row + c * 16 * kElement);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r * kBlockRows + j]);
+      for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_fmadd_ps(pj, vj[c], a[r][c]);
+    }
+    if (next_v != nullptr) {
+      for (int64_t off = 0; off < kRowBytes; off += 64) {
+        _mm_prefetch(next_v + j * kRowBytes + off, _MM_HINT_T0);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
+  }
+}
+
+// As many rows at once as the registers hold beside one value row.
+template <bool kBf16, int kChunks>
+ATTN_AVX512 void Avx512Accumulate(const float* p, int rows, float* const* acc, const void* v,
+                                  int64_t n, int64_t, const char* next_v) {
+  constexpr int kMost = kChunks <= 4 ? 4 : kChunks <= 8 ? 2 : 1;
+  for (int r = 0; r < rows; r += kMost) {
+    const char* prefetch = r == 0 ? next_v : nullptr;
+    const float* pr = p + r * kBlockRows;
+    switch (std::min(kMost, rows - r)) {
+      case 4: Avx512AccumulateOf<kBf16, kChunks, (kMost >= 4 ? 4 : 1)>(pr, acc + r, v, n, prefetch); break;
+      case 3: Avx512AccumulateOf<kBf16, kChunks, (kMost >= 3 ? 3 : 1)>(pr, acc + r, v, n, prefetch); break;
+      case 2: Avx512AccumulateOf<kBf16, kChunks, (kMost >= 2 ? 2 : 1)>(pr, acc + r, v, n, prefetch); break;
+      default: Avx512AccumulateOf<kBf16, kChunks, 1>(pr, acc + r, v, n, prefetch); break;
+    }
+  }
+}
+
+#endif  // ATTN_DECODE_AVX512
+
+// The kernels for `dtype` rows of key_dim / value_dim elements: AVX-512 on
+// CPUs that have it (values: for the common head dims), portable loops
+// otherwise.
+struct BlockKernels {
+  ScoresFn scores;
+  AccumulateFn accumulate;
+};
+
+BlockKernels KernelsFor(int64_t value_dim, bool bf16) {
+  BlockKernels k{bf16 ? &GenericScores<true> : &GenericScores<false>,
+                 bf16 ? &GenericAccumulate<true> : &GenericAccumulate<false>};
+#ifdef ATTN_DECODE_AVX512
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (!avx512) return k;
+  k.scores = bf16 ? &Avx512Scores<true> : &Avx512Scores<false>;
+  switch (value_dim) {
+#define ATTN_CASE(chunks)                                                               \
+  case 16 * (chunks):                                                                   \
+    k.accumulate = bf16 ? &Avx512Accumulate<true, chunks> : &Avx512Accumulate<false, chunks>; \
+    break;
+    ATTN_CASE(2)
+    ATTN_CASE(4)
+    ATTN_CASE(5)
+    ATTN_CASE(6)
+    ATTN_CASE(8)
+    ATTN_CASE(16)
+#undef ATTN_CASE
+    default:
+      break;
+  }
+#endif
+  return k;
 }
 
 void RunUnit(const Unit& u) {
@@ -58,48 +254,56 @@ void RunUnit(const Unit& u) {
   const int64_t dk = cache.key_dim(), dv = cache.value_dim();
   const int64_t rows = it.group * it.query_len;
   const bool bf16 = cache.dtype() == DType::kBFloat16;
-  float scores[kBlockRows];
+  // Scores of every query row against one block.
+  alignas(64) float scores[kMaxDecodeRows * kBlockRows];
   for (int64_t r = 0; r < rows; ++r) {
     float* p = u.partial + r * (dv + 2);
     p[0] = -std::numeric_limits<float>::infinity();
     p[1] = 0.0f;
     std::memset(p + 2, 0, static_cast<size_t>(dv) * sizeof(float));
   }
-  // Query rows in the inner loop: a block's keys and values are read from
-  // memory once and from cache by the other heads of the group.
+  const BlockKernels kernels = KernelsFor(dv, bf16);
+  const float* q[kMaxDecodeRows];
+  float* acc[kMaxDecodeRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    q[r] = it.q + (r / it.query_len) * it.q_head_stride + (r % it.query_len) * it.q_pos_stride;
+    acc[r] = u.partial + r * (dv + 2) + 2;
+  }
+  // Keys: scores of up to kScoreRows query rows at a time, so a block's keys
+  // come from memory once for the whole group; values likewise, from cache
+  // after the first row.
   for (int64_t block = u.first_block; block < u.end_block; ++block) {
     const int64_t first = block * kBlockRows;
     const int64_t n = std::min(kBlockRows, it.keys - first);
     const void* kb = cache.KeyBlock(block, it.kv_head);
     const void* vb = cache.ValueBlock(block, it.kv_head);
+    const bool more = block + 1 < u.end_block;
+    const char* next_k =
+        more ? static_cast<const char*>(cache.KeyBlock(block + 1, it.kv_head)) : nullptr;
+    const char* next_v =
+        more ? static_cast<const char*>(cache.ValueBlock(block + 1, it.kv_head)) : nullptr;
+    for (int64_t r = 0; r < rows; r += kScoreRows) {
+      const int count = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
+      kernels.scores(q + r, count, kb, n, dk, it.scale, scores + r * kBlockRows,
+                     r == 0 ? next_k : nullptr);
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t g = r / it.query_len, i = r % it.query_len;
-      const float* q = it.q + g * it.q_head_stride + i * it.q_pos_stride;
+      const int64_t i = r % it.query_len;
       int64_t visible = n;
       if (it.causal) visible = std::min(n, i + it.keys - it.query_len - first + 1);
-      if (visible <= 0) continue;
-      if (bf16) {
-        DotRowsBFloat16(q, static_cast<const uint16_t*>(kb), visible, dk, it.scale, scores);
-      } else {
-        DotRows(q, static_cast<const float*>(kb), visible, dk, it.scale, scores);
-      }
-      Fold(scores, visible, dv, u.partial + r * (dv + 2), [&](const float* w, int64_t m, float* acc) {
-        if (bf16) {
-          AccumulateRowsBFloat16(w, static_cast<const uint16_t*>(vb), m, dv, acc);
-        } else {
-          AccumulateRows(w, static_cast<const float*>(vb), m, dv, acc);
-        }
-      });
+      Prepare(scores + r * kBlockRows, visible, n, dv, u.partial + r * (dv + 2));
     }
+    kernels.accumulate(scores, static_cast<int>(rows), acc, vb, n, dv, next_v);
   }
   if (!u.with_tail) return;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t g = r / it.query_len, i = r % it.query_len;
-    const float* q = it.q + g * it.q_head_stride + i * it.q_pos_stride;
-    for (int t = 0; t < it.tail; ++t) DotRows(q, it.tail_k[t], 1, dk, it.scale, scores + t);
-    Fold(scores, it.tail, dv, u.partial + r * (dv + 2), [&](const float* w, int64_t m, float* acc) {
-      for (int64_t t = 0; t < m; ++t) AccumulateRows(w + t, it.tail_v[t], 1, dv, acc);
-    });
+    for (int t = 0; t < it.tail; ++t) {
+      float dot = 0.0f;
+      for (int64_t e = 0; e < dk; ++e) dot += q[r][e] * it.tail_k[t][e];
+      scores[t] = dot * it.scale;
+    }
+    Prepare(scores, it.tail, it.tail, dv, u.partial + r * (dv + 2));
+    for (int t = 0; t < it.tail; ++t) AccumulateRows(scores + t, it.tail_v[t], 1, dv, acc[r]);
   }
 }
 

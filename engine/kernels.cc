@@ -229,26 +229,28 @@ ATTN_CLONES float TanhDot(const float* w, const float* a, const float* b, int64_
   return acc;
 }
 
-ATTN_CLONES void DotRows(const float* q, const float* k, int64_t n, int64_t d, float scale,
-                         float* s) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * d;
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t e = 0; e < d; ++e) acc += q[e] * kj[e];
-    s[j] = acc * scale;
+ATTN_CLONES void DotTransposed(const float* q, const float* kt, int64_t ld, int64_t n, int64_t d,
+                               float scale, float* s) {
+  for (int64_t j = 0; j < n; ++j) s[j] = 0.0f;
+  for (int64_t e = 0; e < d; ++e) {
+    const float qe = q[e];
+    const float* row = kt + e * ld;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] += qe * row[j];
   }
+  for (int64_t j = 0; j < n; ++j) s[j] *= scale;
 }
 
-ATTN_CLONES void DotRowsBFloat16(const float* q, const uint16_t* k, int64_t n, int64_t d,
-                                 float scale, float* s) {
-  for (int64_t j = 0; j < n; ++j) {
-    const uint16_t* kj = k + j * d;
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t e = 0; e < d; ++e) acc += q[e] * BitsToFloat(static_cast<uint32_t>(kj[e]) << 16);
-    s[j] = acc * scale;
+ATTN_CLONES void DotTransposedBFloat16(const float* q, const uint16_t* kt, int64_t ld, int64_t n,
+                                       int64_t d, float scale, float* s) {
+  for (int64_t j = 0; j < n; ++j) s[j] = 0.0f;
+  for (int64_t e = 0; e < d; ++e) {
+    const float qe = q[e];
+    const uint16_t* row = kt + e * ld;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] += qe * BitsToFloat(static_cast<uint32_t>(row[j]) << 16);
   }
+  for (int64_t j = 0; j < n; ++j) s[j] *= scale;
 }
 
 ATTN_CLONES void AccumulateRows(const float* p, const float* v, int64_t n, int64_t d, float* acc) {

@@ -51,11 +51,13 @@ void FromBFloat16(const uint16_t* x, float* y, int64_t n);
 // sum_d a[d] * b[d] and sum_d (a[d] - b[d])^2 in float.
 float Dot(const float* a, const float* b, int64_t n);
 float SquaredDistance(const float* a, const float* b, int64_t n);
-// s[j] = scale * sum_e q[e] * k[j * d + e] for j < n: one query row against
-// n key rows of a session cache, stored as float32 or bfloat16.
-void DotRows(const float* q, const float* k, int64_t n, int64_t d, float scale, float* s);
-void DotRowsBFloat16(const float* q, const uint16_t* k, int64_t n, int64_t d, float scale,
-                     float* s);
+// s[j] = scale * sum_e q[e] * kt[e * ld + j] for j < n, e < d: one query row
+// against n keys of a session cache stored transposed (engine/kv_cache.h),
+// as float32 or bfloat16.
+void DotTransposed(const float* q, const float* kt, int64_t ld, int64_t n, int64_t d, float scale,
+                   float* s);
+void DotTransposedBFloat16(const float* q, const uint16_t* kt, int64_t ld, int64_t n, int64_t d,
+                           float scale, float* s);
 // acc[e] += sum_j p[j] * v[j * d + e] for e < d: softmax-weighted value rows.
 void AccumulateRows(const float* p, const float* v, int64_t n, int64_t d, float* acc);
 void AccumulateRowsBFloat16(const float* p, const uint16_t* v, int64_t n, int64_t d, float* acc);

@@ -66,6 +66,27 @@ const void* KvCache::ValueBlock(int64_t block, int64_t head) const {
 
 namespace {
 
+// Stores n elements at dst, `stride` elements apart.
+void Store(const float* src, int64_t n, DType dtype, void* dst, int64_t stride) {
+  if (dtype == DType::kFloat32) {
+    float* out = static_cast<float*>(dst);
+    for (int64_t i = 0; i < n; ++i) out[i * stride] = src[i];
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i * stride] = FloatToBFloat16(src[i]);
+}
+
+void Load(const void* src, int64_t n, DType dtype, int64_t stride, float* dst) {
+  if (dtype == DType::kFloat32) {
+    const float* in = static_cast<const float*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = in[i * stride];
+    return;
+  }
+  const uint16_t* in = static_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(in[i * stride]);
+}
+
 void StoreRow(const float* src, int64_t n, DType dtype, void* dst) {
   if (dtype == DType::kFloat32) {
     std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
@@ -94,21 +115,23 @@ absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
     const int64_t row = length_ + pending_;
     const int64_t block = row / kBlockRows;
     if (block == blocks()) {
-      void* p = std::aligned_alloc(
-          kBlockAlignment, (static_cast<size_t>(block_bytes()) + kBlockAlignment - 1) /
-                               kBlockAlignment * kBlockAlignment);
+      const size_t size =
+          (static_cast<size_t>(block_bytes()) + kBlockAlignment - 1) / kBlockAlignment * kBlockAlignment;
+      void* p = std::aligned_alloc(kBlockAlignment, size);
       if (p == nullptr) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "session cache: could not allocate a block of ", block_bytes(), " bytes"));
       }
+      // Zeros past the last row: kernels read whole blocks.
+      std::memset(p, 0, size);
       blocks_.emplace_back(p);
     }
     const int64_t in_block = row % kBlockRows;
     for (int64_t h = 0; h < kv_heads_; ++h) {
       char* key = static_cast<char*>(const_cast<void*>(KeyBlock(block, h)));
       char* value = static_cast<char*>(const_cast<void*>(ValueBlock(block, h)));
-      StoreRow(k + r * k_row_stride + h * k_head_stride, key_dim_, dtype_,
-               key + in_block * key_dim_ * static_cast<int64_t>(es));
+      Store(k + r * k_row_stride + h * k_head_stride, key_dim_, dtype_,
+            key + in_block * static_cast<int64_t>(es), kBlockRows);
       StoreRow(v + r * v_row_stride + h * v_head_stride, value_dim_, dtype_,
                value + in_block * value_dim_ * static_cast<int64_t>(es));
     }
@@ -129,8 +152,8 @@ void KvCache::Rollback() {
 
 void KvCache::ReadKey(int64_t row, int64_t head, float* out) const {
   const char* block = static_cast<const char*>(KeyBlock(row / kBlockRows, head));
-  LoadRow(block + (row % kBlockRows) * key_dim_ * static_cast<int64_t>(ElementSize()), key_dim_,
-          dtype_, out);
+  Load(block + (row % kBlockRows) * static_cast<int64_t>(ElementSize()), key_dim_, dtype_,
+       kBlockRows, out);
 }
 
 void KvCache::ReadValue(int64_t row, int64_t head, float* out) const {

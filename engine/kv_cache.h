@@ -4,9 +4,12 @@
 // The keys and values of one sequence, kept between engine calls (a server's
 // session): paged storage, as vLLM's paged KV cache. Rows live in fixed
 // blocks of kBlockRows rows; a block holds, for each key/value head, its
-// kBlockRows key rows and then its kBlockRows value rows, each head's rows
-// contiguous. Appending writes only the new rows (into the last block, or a
-// new one); nothing cached is ever copied or moved as the sequence grows.
+// kBlockRows keys and then its kBlockRows value rows, each head's part
+// contiguous. Keys are stored transposed (element e of the block's row j at
+// e * kBlockRows + j), so that a query's scores against a block are
+// kBlockRows-wide multiply-adds with no horizontal sums; values row-major.
+// Appending writes only the new rows (into the last block, or a new one);
+// nothing cached is ever copied or moved as the sequence grows.
 
 #include <cstddef>
 #include <cstdint>
@@ -57,8 +60,9 @@ class KvCache {
   // Drops the pending rows, and the blocks only they used.
   void Rollback();
 
-  // Rows [block * kBlockRows, ...) of head `head`: kBlockRows rows of
-  // key_dim (value_dim) elements of dtype(), row-major. For kernels.
+  // Rows [block * kBlockRows, ...) of head `head`, elements of dtype(): keys
+  // as key_dim rows of kBlockRows (transposed), values as kBlockRows rows of
+  // value_dim. Rows past length() + pending() are zeros. For kernels.
   const void* KeyBlock(int64_t block, int64_t head) const;
   const void* ValueBlock(int64_t block, int64_t head) const;
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }

@@ -302,6 +302,46 @@ TEST_P(SessionTest, GroupedQueryHeadsShareTheirKeyValueHead) {
   }
 }
 
+// The decode kernel's vectorised head dims, group sizes (query heads per
+// key/value head, 1 to 8: rows processed in fours and in pairs) and
+// storage types, with a cache split across threads.
+TEST_P(SessionTest, DecodeKernelShapesMatch) {
+  for (int64_t dim : {32, 64, 128, 40}) {
+    for (int64_t group : {1, 3, 8}) {
+      for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+        SCOPED_TRACE(absl::StrCat("D", dim, " group ", group, " ", DTypeName(dtype)));
+        const int64_t kv_heads = 2, keys = 600;  // 10 blocks: split in two
+        auto cache = NewCache(kv_heads, dim, dim, dtype);
+        const Input k0 = Random({1, kv_heads, keys, dim}, 120), v0 = Random({1, kv_heads, keys, dim}, 121);
+        AttentionArgs args;
+        args.query = k0.view();
+        args.key = k0.view();
+        args.value = v0.view();
+        ASSERT_THAT(Step(args, {cache.get()}), IsOk());
+        const Input q = Random({1, kv_heads * group, 1, dim}, 122),
+                    k = Random({1, kv_heads, 1, dim}, 123), v = Random({1, kv_heads, 1, dim}, 124);
+        args.query = q.view();
+        args.key = k.view();
+        args.value = v.view();
+        absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
+        ASSERT_THAT(got, IsOk());
+        // The stateless call on the rows as the cache stores them.
+        Input keys_all = Concat(k0, k, 2), values_all = Concat(v0, v, 2);
+        if (dtype == DType::kBFloat16) {
+          for (float& x : keys_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
+          for (float& x : values_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
+        }
+        AttentionArgs whole = args;
+        whole.key = keys_all.view();
+        whole.value = values_all.view();
+        absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+        ASSERT_THAT(want, IsOk());
+        ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "output");
+      }
+    }
+  }
+}
+
 // Scores other than dot products, and weights, take the general path.
 TEST_P(SessionTest, OtherScoresAndWeightsMatch) {
   for (ScoreKind kind : {ScoreKind::kGaussian, ScoreKind::kCosine, ScoreKind::kDot,
