@@ -40,9 +40,17 @@ void DropTensors(v1::AttendRequest& request) {
   request.clear_mask();
 }
 
-// Every field of the answer to `request` but its tensors.
-v1::AttendResponse ResponseHead(const v1::AttendRequest& request, const JobTiming& timing) {
+// Every field of the answer to `request` but its tensors: with sessions,
+// the rows each holds once this request's are committed.
+template <typename SessionState>
+v1::AttendResponse ResponseHead(const v1::AttendRequest& request, const JobTiming& timing,
+                                const SessionState* session) {
   v1::AttendResponse head;
+  if (session != nullptr) {
+    for (const KvCache* cache : session->caches) {
+      head.add_session_positions(cache->length() + cache->pending());
+    }
+  }
   head.set_id(request.id());
   head.set_queue_us(timing.queue_us);
   head.set_compute_us(timing.compute_us);
@@ -62,7 +70,11 @@ AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepo
       auth_(auth),
       options_(options),
       memory_(options.memory_budget_bytes,
-              [metrics](int64_t reserved) { metrics->SetMemoryReserved(reserved); }) {}
+              [metrics](int64_t reserved) { metrics->SetMemoryReserved(reserved); }),
+      sessions_({options.session_memory_bytes,
+                 options.session_idle_seconds > 0 ? absl::Seconds(options.session_idle_seconds)
+                                                  : absl::InfiniteDuration()},
+                metrics) {}
 
 // A unary call's reactor: counts the call open from its start until gRPC is
 // done with it (its answer's last byte handed to the socket). Deletes itself.
@@ -268,12 +280,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   metrics_->AddInFlight(1);
   job->cancelled = [context] { return context->IsCancelled(); };
   const v1::Tensor::DType output_dtype = job->request->output_dtype;
-  job->done = [this, request, response, reactor, output_dtype, start](
+  auto session = request->has_session() ? std::make_shared<SessionState>() : nullptr;
+  job->done = [this, request, response, reactor, output_dtype, start, session](
                   absl::StatusOr<AttentionResult> result, const JobTiming& timing) {
     absl::Status status = result.status();
     if (status.ok()) {
       absl::StatusOr<grpc::ByteBuffer> encoded =
-          EncodeResponse(ResponseHead(*request, timing), *std::move(result),
+          EncodeResponse(ResponseHead(*request, timing, session.get()), *std::move(result),
                          request->need_weights(), output_dtype);
       if (encoded.ok()) {
         response->Swap(&*encoded);
@@ -281,13 +294,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
         status = encoded.status();
       }
     }
+    FinishSessions(session, status.ok());
     DropTensors(*request);
     const grpc::Status wire = ToGrpcStatus(status);
     Record("Attend", request->model(), wire, start, &timing);
     metrics_->AddInFlight(-1);
     reactor->Finish(wire);
   };
-  if (absl::Status queued = scheduler_->Submit(*std::move(job)); !queued.ok()) {
+  if (absl::Status queued = Submit(*std::move(job), *request, session); !queued.ok()) {
     metrics_->AddInFlight(-1);
     return FinishUnary(reactor, "Attend", request->model(), start, queued);
   }
@@ -355,23 +369,25 @@ class AttentionServiceImpl::StreamReactor final
     if (job.ok()) {
       const v1::Tensor::DType output_dtype = job->request->output_dtype;
       job->cancelled = [this] { return cancelled_.load(); };
-      job->done = [this, request, output_dtype, start, lease](
+      auto session = request->has_session() ? std::make_shared<SessionState>() : nullptr;
+      job->done = [this, request, output_dtype, start, lease, session](
                       absl::StatusOr<AttentionResult> result, const JobTiming& timing) {
         absl::StatusOr<grpc::ByteBuffer> answer = absl::UnknownError("unset");
         if (result.ok()) {
-          v1::AttendResponse head = ResponseHead(*request, timing);
+          v1::AttendResponse head = ResponseHead(*request, timing, session.get());
           head.mutable_status()->set_code(0);
           answer = EncodeResponse(head, *std::move(result), request->need_weights(), output_dtype);
         } else {
           answer = result.status();
         }
+        service_->FinishSessions(session, answer.ok());
         DropTensors(*request);
         service_->Record("AttendStream", request->model(), ToGrpcStatus(answer.status()), start,
                          &timing);
         absl::MutexLock lock(&mu_);
         AnswerLocked(*request, std::move(answer), std::move(*lease));
       };
-      refused = service_->scheduler_->Submit(*std::move(job));
+      refused = service_->Submit(*std::move(job), *request, session);
     } else {
       refused = job.status();
     }
@@ -522,6 +538,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   limits->set_max_request_bytes(options.max_request_bytes);
   limits->set_max_request_gflop(options.max_request_flops / 1e9);
   limits->set_memory_budget_bytes(memory_.limit());
+  limits->set_session_memory_bytes(options_.session_memory_bytes);
+  limits->set_session_idle_seconds(options_.session_idle_seconds);
   for (int kind = v1::Score::Kind_MIN; kind <= v1::Score::Kind_MAX; ++kind) {
     if (v1::Score::Kind_IsValid(kind)) {
       response->add_supported_scores(static_cast<v1::Score::Kind>(kind));
@@ -559,6 +577,148 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
     status = model.status();
   }
   return FinishUnary(reactor, "GetModel", "", start, status);
+}
+
+namespace {
+
+// The batch size of a validated call: one session per batch row.
+int64_t BatchOf(const AttentionArgs& args) {
+  const std::vector<int64_t>& q = args.query.shape;
+  return q.size() == 4 || args.layout == Layout::kBatchFirst ? q[0] : q[1];
+}
+
+// The key/value rows a validated call appends to each of its sessions.
+int64_t NewRows(const AttentionArgs& args, bool read_only) {
+  if (read_only) return 0;
+  const std::vector<int64_t>& k = (args.key.present() ? args.key : args.query).shape;
+  if (k.size() == 4) return k[2];
+  return args.layout == Layout::kBatchFirst ? k[1] : k[0];
+}
+
+// What a session of this validated call is fixed to, and its cache's shape.
+SessionKind KindOf(const v1::AttendRequest& request, const AttentionArgs& args, const Model* model) {
+  SessionKind kind;
+  if (model != nullptr) {
+    const MultiheadConfig& c = model->layer->config();
+    kind.model = model->config.name();
+    kind.description = absl::StrCat("model \"", kind.model, "\"");
+    kind.heads = static_cast<int32_t>(c.num_heads);
+    kind.kv_heads = c.num_heads;
+    kind.key_dim = kind.value_dim = c.embed_dim / c.num_heads;
+    return kind;
+  }
+  const TensorView& q = args.query;
+  const TensorView& k = args.key.present() ? args.key : q;
+  const TensorView& v = args.value.present() ? args.value : k;
+  if (q.shape.size() == 4) {
+    kind.heads = static_cast<int32_t>(q.shape[1]);
+    kind.kv_heads = k.shape[1];
+    kind.key_dim = k.shape[3];
+    kind.value_dim = v.shape[3];
+  } else {
+    const int64_t heads = args.num_heads > 0 ? args.num_heads : 1;
+    kind.heads = static_cast<int32_t>(heads);
+    kind.kv_heads = heads;
+    kind.key_dim = k.shape[2] / heads;
+    kind.value_dim = v.shape[2] / heads;
+  }
+  const v1::Score& score = request.score();
+  kind.description = absl::StrCat("raw attention with ", kind.heads, " query heads, score ",
+                                  v1::Score::Kind_Name(score.kind()));
+  if (score.has_scale()) absl::StrAppend(&kind.description, " scale ", score.scale());
+  if (score.has_bandwidth()) absl::StrAppend(&kind.description, " bandwidth ", score.bandwidth());
+  if (score.kind() == v1::Score::ADDITIVE || score.kind() == v1::Score::BILINEAR) {
+    // Their weights are the request's: the same call each time is the caller's to keep.
+    absl::StrAppend(&kind.description, " (with the request's score weights)");
+  }
+  return kind;
+}
+
+}  // namespace
+
+absl::Status AttentionServiceImpl::Submit(Job job, const v1::AttendRequest& request,
+                                          const std::shared_ptr<SessionState>& session) {
+  if (session == nullptr) return scheduler_->Submit(std::move(job));
+  const AttentionArgs& args = job.request->args;
+  ATTN_ASSIGN_OR_RETURN(session->request, sessions_.Parse(request.session(), BatchOf(args)));
+  session->request.new_rows = NewRows(args, session->request.read_only);
+  const SessionKind kind = KindOf(request, args, job.model);
+  auto shared = std::make_shared<Job>(std::move(job));
+  // The ids' holder before this request may still be computing: the rest
+  // runs once it is done (on its thread).
+  sessions_.Acquire(session->request.ids, [this, shared, session, kind](bool waited) {
+    Job& job = *shared;
+    const auto done = job.done;
+    absl::StatusOr<std::vector<KvCache*>> caches = sessions_.Begin(session->request, kind);
+    if (!caches.ok()) {
+      done(caches.status(), JobTiming{});
+      return;
+    }
+    session->caches = *caches;
+    session->begun = true;
+    job.session = std::make_shared<SessionCall>(SessionCall{*caches, session->request.read_only});
+    EngineCall call{&job.request->args, job.model ? job.model->layer.get() : nullptr};
+    call.session = job.session.get();
+    absl::StatusOr<CallCost> cost = OutOfMemoryAsStatus("request validation", [&] {
+      return engine_->CostOf(call);
+    });
+    absl::Status status = cost.status();
+    if (status.ok()) status = CheckAnswerSize(*cost, job.request->output_dtype);
+    if (!status.ok()) {
+      done(status, JobTiming{});
+      return;
+    }
+    job.flops = cost->flops;
+    // A request started by another's end is on that request's thread (the
+    // scheduler's, perhaps): it queues rather than computing there.
+    job.inline_when_idle = !waited && cost->flops <= kInlineMaxFlops;
+    job.batch_key = absl::StrCat(job.batch_key, "/session");
+    if (absl::Status queued = scheduler_->Submit(std::move(job)); !queued.ok()) {
+      done(queued, JobTiming{});
+    }
+  });
+  return absl::OkStatus();
+}
+
+void AttentionServiceImpl::FinishSessions(const std::shared_ptr<SessionState>& session, bool ok) {
+  if (session == nullptr) return;
+  if (session->begun) {
+    sessions_.Finish(session->request, ok);
+  } else {
+    sessions_.Release(session->request.ids);
+  }
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSessions(
+    grpc::CallbackServerContext* context, const v1::CloseSessionsRequest* request,
+    v1::CloseSessionsResponse* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  if (absl::Status status = Admit(*context); !status.ok()) {
+    return FinishUnary(reactor, "CloseSessions", "", start, status);
+  }
+  sessions_.Close({request->ids().begin(), request->ids().end()},
+                  [this, reactor, response, start](std::vector<std::string> closed,
+                                                   std::vector<std::string> not_found) {
+                    for (std::string& id : closed) response->add_closed(std::move(id));
+                    for (std::string& id : not_found) response->add_not_found(std::move(id));
+                    FinishUnary(reactor, "CloseSessions", "", start, absl::OkStatus());
+                  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerContext* context,
+                                                           const v1::GetSessionRequest* request,
+                                                           v1::SessionInfo* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  absl::Status status = Admit(*context);
+  if (status.ok()) {
+    absl::StatusOr<v1::SessionInfo> info = sessions_.Info(request->id());
+    if (info.ok()) *response = *std::move(info);
+    status = info.status();
+  }
+  return FinishUnary(reactor, "GetSession", "", start, status);
 }
 
 }  // namespace attention::server

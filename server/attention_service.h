@@ -17,6 +17,7 @@
 #include "server/model_repository.h"
 #include "server/scheduler.h"
 #include "server/security.h"
+#include "server/session_store.h"
 
 namespace attention::server {
 
@@ -28,6 +29,10 @@ struct ServiceOptions {
   int64_t max_queue_delay_us = 0;
   // Memory all calls in flight may hold at once (server/memory_budget.h); 0: no limit.
   int64_t memory_budget_bytes = 0;
+  // Sessions (server/session_store.h): bytes all caches may hold (0: no
+  // sessions), and seconds an idle one is kept (0: for good).
+  int64_t session_memory_bytes = 0;
+  int64_t session_idle_seconds = 0;
 };
 
 // Attend and AttendStream take and give raw bytes: requests are parsed by
@@ -38,7 +43,9 @@ using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
         v1::AttentionService::WithCallbackMethod_GetServerInfo<
             v1::AttentionService::WithCallbackMethod_ListModels<
                 v1::AttentionService::WithCallbackMethod_GetModel<
-                    v1::AttentionService::Service>>>>>;
+                    v1::AttentionService::WithCallbackMethod_CloseSessions<
+                        v1::AttentionService::WithCallbackMethod_GetSession<
+                            v1::AttentionService::Service>>>>>>>;
 
 // attention.v1.AttentionService on gRPC's callback API: converts requests
 // (server/convert.h) and hands them to the scheduler, which batches them
@@ -79,6 +86,18 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
                                      const v1::GetModelRequest* request,
                                      v1::GetModelResponse* response) override;
+
+  // Closes sessions once no request holds them; OK, listing the ids that
+  // were not open.
+  grpc::ServerUnaryReactor* CloseSessions(grpc::CallbackServerContext* context,
+                                          const v1::CloseSessionsRequest* request,
+                                          v1::CloseSessionsResponse* response) override;
+  // NOT_FOUND naming the id when it is not open.
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::GetSessionRequest* request,
+                                       v1::SessionInfo* response) override;
+
+  const SessionStore& sessions() const { return sessions_; }
 
   // The first step of a drain: from now on every new call, and every new
   // request on an open stream, is answered UNAVAILABLE; calls taken before go
@@ -125,6 +144,22 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
                               const v1::AttendRequest& request, size_t wire_bytes,
                               MemoryBudget::Lease* lease);
+  // A session request's state from admission to its answer.
+  struct SessionState {
+    SessionRequest request;
+    std::vector<KvCache*> caches;  // once begun
+    bool begun = false;
+  };
+  // Hands `job` to the scheduler: at once without sessions; with them, once
+  // its sessions are free (SessionStore::Acquire) and checked (Begin). An
+  // error before that is returned (the job's `done` is then never called);
+  // one after, given to `done`.
+  absl::Status Submit(Job job, const v1::AttendRequest& request,
+                      const std::shared_ptr<SessionState>& session);
+  // The answer's session_positions, and the sessions' end: committed when
+  // `ok` (the answer is encoded), dropped otherwise. Nothing for a request
+  // without sessions.
+  void FinishSessions(const std::shared_ptr<SessionState>& session, bool ok);
 
   const Engine* const engine_;
   const ModelRepository* const models_;
@@ -133,6 +168,7 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   const TokenAuth* const auth_;
   const ServiceOptions options_;
   MemoryBudget memory_;
+  SessionStore sessions_;
   std::atomic<bool> draining_{false};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);

@@ -45,6 +45,12 @@ ABSL_FLAG(int64_t, memory_budget_mb, attention::ServerOptions().memory_budget_mb
           "Memory all calls in flight may hold at once (requests, the engine's allocations, "
           "answers), in MiB; a call that would pass it gets RESOURCE_EXHAUSTED. Keep it about "
           "512 MiB below the container's memory limit; 0 means no limit");
+ABSL_FLAG(int64_t, session_memory_mb, attention::ServerOptions().session_memory_mb,
+          "Memory all sessions' key/value caches may hold, in MiB, outside --memory_budget_mb; "
+          "past it idle sessions are evicted, least recently used first; 0 turns sessions off");
+ABSL_FLAG(int64_t, session_idle_seconds, attention::ServerOptions().session_idle_seconds,
+          "Seconds a session with no request is kept before it expires; 0 keeps it until "
+          "closed or evicted");
 ABSL_FLAG(std::string, model_repository, ATTENTION_DEFAULT_MODEL_REPOSITORY,
           "Folder of model folders (config.pbtxt + weights.safetensors) to serve; empty for "
           "none");
@@ -183,6 +189,8 @@ int main(int argc, char** argv) {
   }
   options.engine.max_request_bytes = max_request_mb << 20;
   options.memory_budget_mb = absl::GetFlag(FLAGS_memory_budget_mb);
+  options.session_memory_mb = absl::GetFlag(FLAGS_session_memory_mb);
+  options.session_idle_seconds = absl::GetFlag(FLAGS_session_idle_seconds);
   options.engine.max_request_flops = max_request_gflop * 1e9;
   absl::StatusOr<std::unique_ptr<attention::AttentionServer>> server =
       attention::AttentionServer::Create(options);

@@ -115,7 +115,8 @@ const std::vector<double>& Metrics::BatchSizeBuckets() {
 Metrics::Metrics()
     : batch_size_(BatchSizeBuckets().size()),
       not_computed_{{"cancelled", 0}, {"deadline_exceeded", 0}},
-      interrupted_{{"cancelled", 0}, {"deadline_exceeded", 0}} {}
+      interrupted_{{"cancelled", 0}, {"deadline_exceeded", 0}},
+      sessions_ended_{{"closed", 0}, {"evicted", 0}, {"expired", 0}, {"failed", 0}} {}
 
 void Metrics::Observe(const std::vector<double>& bounds, double value, Histogram* histogram) {
   // The first bucket whose bound is >= value; past the end is +Inf.
@@ -159,6 +160,12 @@ void Metrics::CountNotComputed(absl::string_view reason) {
   std::string key(reason);
   absl::MutexLock lock(&mu_);
   ++not_computed_[std::move(key)];
+}
+
+void Metrics::CountSessionEnded(absl::string_view reason) {
+  std::string key(reason);
+  absl::MutexLock lock(&mu_);
+  ++sessions_ended_[std::move(key)];
 }
 
 void Metrics::CountInterrupted(absl::string_view reason) {
@@ -265,6 +272,22 @@ std::string Metrics::RenderPrometheus() const {
             "Requests whose compute was stopped part way, freeing the cores, because their call "
             "was cancelled or past its deadline.",
             interrupted_);
+
+  AppendHeader("attention_sessions_open", "gauge", "Sessions open (docs/sessions.md).", &out);
+  AppendSample("attention_sessions_open", "",
+               absl::StrCat(sessions_open_.load(std::memory_order_relaxed)), &out);
+  AppendHeader("attention_session_cache_bytes", "gauge",
+               "Bytes the open sessions' caches hold (--session_memory_mb caps them).", &out);
+  AppendSample("attention_session_cache_bytes", "",
+               absl::StrCat(session_cache_bytes_.load(std::memory_order_relaxed)), &out);
+  by_reason("attention_sessions_ended_total",
+            "Sessions ended: closed by their caller, evicted for memory, expired when idle, or "
+            "removed again because the request creating them failed.",
+            sessions_ended_);
+  AppendHeader("attention_session_rows_appended_total", "counter",
+               "Key/value rows appended to sessions by requests that succeeded.", &out);
+  AppendSample("attention_session_rows_appended_total", "",
+               absl::StrCat(session_rows_.load(std::memory_order_relaxed)), &out);
   return out;
 }
 

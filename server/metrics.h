@@ -31,6 +31,9 @@ namespace attention::server {
 //   attention_malloc_trim_seconds_total                    counter (the process's)
 //   attention_not_computed_total{reason}                   counter
 //   attention_interrupted_total{reason}                    counter
+//   attention_sessions_open, attention_session_cache_bytes gauges
+//   attention_sessions_ended_total{reason}                 counter
+//   attention_session_rows_appended_total                  counter
 // Label values are free text (escaped when rendered). Thread-safe; recording
 // takes one short mutex hold (gauges are lock-free).
 class Metrics {
@@ -73,6 +76,18 @@ class Metrics {
   // `reason` as for CountNotComputed.
   void CountInterrupted(absl::string_view reason);
 
+  // Sessions open now, and the bytes of their caches.
+  void SetSessions(int64_t open, int64_t cache_bytes) {
+    sessions_open_.store(open, std::memory_order_relaxed);
+    session_cache_bytes_.store(cache_bytes, std::memory_order_relaxed);
+  }
+  // A session ended: "closed" (by its caller), "evicted" (for memory),
+  // "expired" (idle), "failed" (created by a request that failed); all
+  // rendered from the start, at 0.
+  void CountSessionEnded(absl::string_view reason);
+  // Rows committed to sessions.
+  void AddSessionRows(int64_t rows) { session_rows_.fetch_add(rows, std::memory_order_relaxed); }
+
   // Every metric with # HELP and # TYPE lines; series sorted by labels.
   std::string RenderPrometheus() const;
 
@@ -94,6 +109,10 @@ class Metrics {
   Histogram batch_size_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> not_computed_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> interrupted_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> sessions_ended_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> sessions_open_{0};
+  std::atomic<int64_t> session_cache_bytes_{0};
+  std::atomic<int64_t> session_rows_{0};
   std::atomic<int64_t> queue_depth_{0};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> memory_reserved_{0};

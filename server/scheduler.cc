@@ -195,6 +195,7 @@ void Scheduler::Run(std::deque<Job>& batch) {
     } else {
       live.push_back(&job);
       calls.push_back({&job.request->args, job.model ? job.model->layer.get() : nullptr});
+      calls.back().session = job.session.get();
     }
   }
   if (calls.empty()) return;

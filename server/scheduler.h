@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "engine/kv_cache.h"
 #include "server/convert.h"
 #include "server/model_repository.h"
 
@@ -26,6 +27,8 @@ using JobTiming = JobTimingFields;
 struct Job {
   std::unique_ptr<EngineRequest> request;
   const Model* model = nullptr;  // null: raw attention
+  // The sessions it appends to and attends over (engine/kv_cache.h); null: none.
+  std::shared_ptr<SessionCall> session;
   // Jobs with equal keys may share an engine call.
   std::string batch_key;
   int32_t max_batch_size = 1;

@@ -141,6 +141,15 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
     return absl::InvalidArgumentError(absl::StrCat("memory_budget_mb: ", options.memory_budget_mb,
                                                    " must be in [0, 2^40] (0: no limit)"));
   }
+  if (options.session_memory_mb < 0 || options.session_memory_mb > (int64_t{1} << 40)) {
+    return absl::InvalidArgumentError(absl::StrCat("session_memory_mb: ", options.session_memory_mb,
+                                                   " must be in [0, 2^40] (0: sessions off)"));
+  }
+  if (options.session_idle_seconds < 0 || static_cast<double>(options.session_idle_seconds) > kMaxSeconds) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_idle_seconds: ", options.session_idle_seconds, " must be in [0, ",
+                     kMaxSeconds, "] (0: no expiry)"));
+  }
   if (options.max_concurrent_streams < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_concurrent_streams: ", options.max_concurrent_streams, " must be >= 0 (0: no limit)"));
@@ -201,6 +210,8 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   service_options.max_batch_size = options.max_batch_size;
   service_options.max_queue_delay_us = options.max_queue_delay_us;
   service_options.memory_budget_bytes = options.memory_budget_mb << 20;
+  service_options.session_memory_bytes = options.session_memory_mb << 20;
+  service_options.session_idle_seconds = options.session_idle_seconds;
   impl->service = std::make_unique<server::AttentionServiceImpl>(
       impl->engine.get(), impl->models.get(), impl->scheduler.get(), &impl->metrics,
       impl->auth.get(), service_options);

@@ -75,6 +75,11 @@ struct ServerOptions {
   // Leave room below the container's memory limit for the process itself and
   // the engine's pool of freed output blocks (up to 512 MiB). 0: no limit.
   int64_t memory_budget_mb = 1536;
+  // Sessions (docs/sessions.md): MiB all their caches may hold (0: sessions
+  // off), and seconds an idle one is kept (0: until closed or evicted). The
+  // caches are outside memory_budget_mb: leave room for both.
+  int64_t session_memory_mb = 1024;
+  int64_t session_idle_seconds = 600;
   EngineOptions engine;
 };
 

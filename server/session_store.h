@@ -1,0 +1,150 @@
+#ifndef ATTENTION_SERVER_SESSION_STORE_H_
+#define ATTENTION_SERVER_SESSION_STORE_H_
+
+// The sessions of one server (docs/sessions.md): keys and values kept
+// between requests, one engine KvCache each, in this process's memory only.
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "attention/v1/service.pb.h"
+#include "engine/kv_cache.h"
+#include "server/metrics.h"
+
+namespace attention::server {
+
+// What a session is fixed to at create, besides its cache's heads, dims and
+// dtype (which the engine checks): the model, or for raw attention the
+// query heads and the score.
+struct SessionKind {
+  std::string model;        // empty: raw attention
+  std::string description;  // for errors: "model \"m\"", "raw attention, 8 query heads, ..."
+  // The cache a new session gets.
+  int64_t kv_heads = 0, key_dim = 0, value_dim = 0;
+  int32_t heads = 0;
+};
+
+// Every id of a session request, in batch-row order, and what it asks.
+struct SessionRequest {
+  std::vector<std::string> ids;
+  std::vector<int64_t> positions;
+  bool create = false;
+  bool close = false;
+  bool read_only = false;
+  DType cache_dtype = DType::kFloat32;
+  // Rows this request appends to each session.
+  int64_t new_rows = 0;
+  // Bytes Begin reserved for the caches' growth, until Finish.
+  int64_t reserved = 0;
+};
+
+// Thread-safe. Requests on one session are applied one at a time: a
+// request first acquires all its ids (Acquire), then checks and prepares
+// them (Begin), computes, and ends (Finish), which hands the ids to the next
+// request waiting for them.
+class SessionStore {
+ public:
+  struct Options {
+    // Bytes all caches may hold; 0: sessions are off.
+    int64_t memory_bytes = 0;
+    // How long an idle session is kept; zero or infinite: for good.
+    absl::Duration idle_limit = absl::InfiniteDuration();
+  };
+  // `metrics` may be null; `now` is for tests.
+  SessionStore(const Options& options, Metrics* metrics,
+               std::function<absl::Time()> now = absl::Now);
+  SessionStore(const SessionStore&) = delete;
+  SessionStore& operator=(const SessionStore&) = delete;
+
+  bool enabled() const { return options_.memory_bytes > 0; }
+  const Options& options() const { return options_; }
+
+  // Checks a request's session fields against its batch size: ids and
+  // positions (one per batch row), ids non-empty, at most kMaxIdBytes, no two
+  // equal, positions >= 0 (0 on create), cache_dtype FLOAT32 or BFLOAT16,
+  // read_only not with create; FAILED_PRECONDITION when sessions are off.
+  absl::StatusOr<SessionRequest> Parse(const v1::SessionSpec& spec, int64_t batch) const;
+
+  // Runs `start` once no other request holds any of `ids`: now, on this
+  // thread (start(false)), or later on the thread whose Finish / Release /
+  // Close frees the last of them (start(true)). Never blocks.
+  using Start = std::function<void(bool waited)>;
+  void Acquire(const std::vector<std::string>& ids, Start start);
+  // Lets go of ids acquired but never begun (or whose Begin failed).
+  void Release(const std::vector<std::string>& ids);
+
+  // For a request holding its ids: NOT_FOUND for a session that is not open,
+  // ALREADY_EXISTS for create on an open one, ABORTED for a position that
+  // does not match, INVALID_ARGUMENT for a request of another kind or cache
+  // dtype than the session's, RESOURCE_EXHAUSTED when the rows it appends do
+  // not fit even after evicting idle sessions. On success the sessions (the
+  // new ones created) and their caches in batch-row order; on error nothing
+  // changed.
+  absl::StatusOr<std::vector<KvCache*>> Begin(SessionRequest& request, const SessionKind& kind);
+  // Commits (ok) or drops the request's rows in every session, removes the
+  // sessions it created if it failed, closes them if it asked, and releases
+  // its ids. Returns each session's position after it.
+  std::vector<int64_t> Finish(const SessionRequest& request, bool ok);
+
+  // CloseSessions: closes the open ones among `ids` once no request holds
+  // them; `done` gets those closed and those not open.
+  void Close(std::vector<std::string> ids,
+             std::function<void(std::vector<std::string> closed,
+                                std::vector<std::string> not_found)>
+                 done);
+  // GetSession; NOT_FOUND naming the id.
+  absl::StatusOr<v1::SessionInfo> Info(const std::string& id);
+
+  // Sessions open and the bytes of their caches.
+  int64_t open() const;
+  int64_t bytes() const;
+
+  static constexpr size_t kMaxIdBytes = 128;
+
+ private:
+  struct Session {
+    std::unique_ptr<KvCache> cache;
+    SessionKind kind;
+    absl::Time last_used;
+    bool created_by_holder = false;  // removed again if that request fails
+  };
+  struct Waiter {
+    std::vector<std::string> ids;
+    Start start;
+  };
+
+  // Ids free of holders and of waiters ahead: takes them.
+  bool TryTakeLocked(const std::vector<std::string>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases ids and collects the waiters that can start now.
+  std::vector<Start> ReleaseLocked(const std::vector<std::string>& ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes idle sessions past the idle limit.
+  void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveLocked(const std::string& id, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status NotOpen(const std::string& id);
+
+  const Options options_;
+  Metrics* const metrics_;
+  const std::function<absl::Time()> now_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> held_ ABSL_GUARDED_BY(mu_);
+  std::deque<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // caches' blocks
+  int64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // growth of requests computing
+};
+
+}  // namespace attention::server
+
+#endif  // ATTENTION_SERVER_SESSION_STORE_H_

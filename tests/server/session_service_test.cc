@@ -1,0 +1,411 @@
+// Sessions through a real server (docs/sessions.md): answers equal the
+// stateless call over every row sent so far; every error names the session
+// and leaves every session as it was; limits, eviction, expiry, concurrency.
+
+#include <atomic>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/tensors.h"
+#include "gmock/gmock.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "server/metrics.h"
+#include "gtest/gtest.h"
+#include "tests/golden_case.h"
+#include "tests/safetensors_writer.h"
+#include "tests/server/test_server.h"
+#include "tests/status_matchers.h"
+
+namespace attention::testing {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::vector<float> RandomValues(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// Rows of one sequence, [1, S, E] batch-first, grown as a decoder sends them.
+struct Rows {
+  int64_t dim = 0;
+  std::vector<float> values;
+  int64_t length() const { return static_cast<int64_t>(values.size()) / dim; }
+  v1::Tensor Tensor() const { return *client::MakeFloatTensor({1, length(), dim}, values); }
+};
+
+v1::Tensor Floats(const std::vector<int64_t>& shape, const std::vector<float>& values) {
+  return *client::MakeFloatTensor(shape, values);
+}
+
+std::vector<float> Output(const v1::AttendResponse& r) { return *client::ReadFloats(r.output()); }
+
+void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, float tolerance) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], tolerance * (1 + std::abs(want[i]))) << i;
+  }
+}
+
+class SessionServiceTest : public ServerSuite<> {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options;
+    // A layer with bias_kv and zero attention (torch appends their keys
+    // after every cached row), served as "layer".
+    const GoldenCase c = LoadGoldenCase("mha_bias_kv_zero_attn");
+    const MultiheadConfig m = MultiheadConfigOf(c);
+    const std::string repo = MakeTempDir("session_models");
+    std::filesystem::create_directories(repo + "/layer");
+    WriteFile(repo + "/layer/config.pbtxt",
+              absl::StrCat("name: \"layer\"\nembed_dim: ", m.embed_dim,
+                           "\nnum_heads: ", m.num_heads, "\nadd_bias_kv: true\nadd_zero_attn: true\n"));
+    WriteFile(repo + "/layer/weights.safetensors", SafetensorsBytes(StateDictOf(c)));
+    options.model_repository = repo;
+    StartSuiteServer(std::move(options));
+  }
+
+  static std::unique_ptr<v1::AttentionService::Stub> Stub() {
+    return v1::AttentionService::NewStub(client().channel());
+  }
+
+  static absl::StatusOr<v1::SessionInfo> Info(const std::string& id) {
+    grpc::ClientContext context;
+    v1::GetSessionRequest request;
+    request.set_id(id);
+    v1::SessionInfo info;
+    const grpc::Status status = Stub()->GetSession(&context, request, &info);
+    if (!status.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+    }
+    return info;
+  }
+
+  static v1::CloseSessionsResponse Close(const std::vector<std::string>& ids) {
+    grpc::ClientContext context;
+    v1::CloseSessionsRequest request;
+    for (const std::string& id : ids) request.add_ids(id);
+    v1::CloseSessionsResponse response;
+    EXPECT_TRUE(Stub()->CloseSessions(&context, request, &response).ok());
+    return response;
+  }
+
+  // A raw request of `rows` new rows (query = key = value rows) for session
+  // `id` at `position`, with 2 heads of 8.
+  static v1::AttendRequest Step(const std::string& id, int64_t position,
+                                const std::vector<float>& rows, bool create = false) {
+    v1::AttendRequest r;
+    r.set_num_heads(2);
+    *r.mutable_query() = Floats({1, static_cast<int64_t>(rows.size()) / 16, 16}, rows);
+    r.mutable_mask()->set_causal(v1::Mask::BOTTOM_RIGHT);
+    r.mutable_session()->add_ids(id);
+    r.mutable_session()->add_positions(position);
+    r.mutable_session()->set_create(create);
+    return r;
+  }
+};
+
+TEST_F(SessionServiceTest, PrefillThenStepsEqualTheStatelessCall) {
+  for (v1::Tensor::DType dtype : {v1::Tensor::FLOAT32, v1::Tensor::BFLOAT16}) {
+    const std::string id = absl::StrCat("decoder-", v1::Tensor::DType_Name(dtype));
+    const float tolerance = dtype == v1::Tensor::FLOAT32 ? 1e-5f : 2e-2f;
+    Rows keys{16, {}}, values{16, {}};
+    uint32_t seed = 1;
+    for (int64_t rows : {70, 1, 1, 2}) {
+      const std::vector<float> q = RandomValues(rows * 16, seed++),
+                               k = RandomValues(rows * 16, seed++),
+                               v = RandomValues(rows * 16, seed++);
+      v1::AttendRequest r = Step(id, keys.length(), q, keys.length() == 0);
+      *r.mutable_key() = Floats({1, rows, 16}, k);
+      *r.mutable_value() = Floats({1, rows, 16}, v);
+      r.mutable_session()->set_cache_dtype(dtype);
+      absl::StatusOr<v1::AttendResponse> got = client().Attend(r);
+      ASSERT_THAT(got, IsOk());
+      keys.values.insert(keys.values.end(), k.begin(), k.end());
+      values.values.insert(values.values.end(), v.begin(), v.end());
+      EXPECT_THAT(got->session_positions(), ElementsAre(keys.length()));
+      v1::AttendRequest whole = r;
+      whole.clear_session();
+      *whole.mutable_key() = keys.Tensor();
+      *whole.mutable_value() = values.Tensor();
+      absl::StatusOr<v1::AttendResponse> want = client().Attend(whole);
+      ASSERT_THAT(want, IsOk());
+      ExpectNear(Output(*got), Output(*want), tolerance);
+    }
+    absl::StatusOr<v1::SessionInfo> info = Info(id);
+    ASSERT_THAT(info, IsOk());
+    EXPECT_EQ(info->position(), 74);
+    EXPECT_EQ(info->heads(), 2);
+    EXPECT_EQ(info->head_dim(), 8);
+    EXPECT_EQ(info->cache_dtype(), dtype);
+    // Two blocks of 64 rows, 2 heads of 8 + 8 elements each.
+    EXPECT_EQ(info->bytes(), 2 * 64 * 2 * 16 * (dtype == v1::Tensor::FLOAT32 ? 4 : 2));
+    EXPECT_THAT(Close({id}).closed(), ElementsAre(id));
+  }
+}
+
+// Two sessions of different lengths in one request, each its own call.
+TEST_F(SessionServiceTest, RaggedPositionsInOneRequest) {
+  const std::vector<float> a = RandomValues(3 * 16, 10), b = RandomValues(9 * 16, 11);
+  ASSERT_THAT(client().Attend(Step("ragged-a", 0, a, true)), IsOk());
+  ASSERT_THAT(client().Attend(Step("ragged-b", 0, b, true)), IsOk());
+  const std::vector<float> q = RandomValues(2 * 16, 12);
+  v1::AttendRequest r;
+  r.set_num_heads(2);
+  *r.mutable_query() = Floats({2, 1, 16}, q);
+  for (auto [id, position] : {std::pair<const char*, int>{"ragged-a", 3}, {"ragged-b", 9}}) {
+    r.mutable_session()->add_ids(id);
+    r.mutable_session()->add_positions(position);
+  }
+  absl::StatusOr<v1::AttendResponse> got = client().Attend(r);
+  ASSERT_THAT(got, IsOk());
+  EXPECT_THAT(got->session_positions(), ElementsAre(4, 10));
+  const std::vector<float> out = Output(*got);
+  for (int row = 0; row < 2; ++row) {
+    std::vector<float> keys = row == 0 ? a : b;
+    keys.insert(keys.end(), q.begin() + row * 16, q.begin() + (row + 1) * 16);
+    v1::AttendRequest whole;
+    whole.set_num_heads(2);
+    *whole.mutable_query() = Floats({1, 1, 16}, {q.begin() + row * 16, q.begin() + (row + 1) * 16});
+    *whole.mutable_key() = Floats({1, static_cast<int64_t>(keys.size()) / 16, 16}, keys);
+    absl::StatusOr<v1::AttendResponse> want = client().Attend(whole);
+    ASSERT_THAT(want, IsOk());
+    ExpectNear({out.begin() + row * 16, out.begin() + (row + 1) * 16}, Output(*want), 1e-5f);
+  }
+  Close({"ragged-a", "ragged-b"});
+}
+
+// Rank 4, 4 query heads over 2 key/value heads.
+TEST_F(SessionServiceTest, GroupedQueryHeads) {
+  const std::vector<float> k0 = RandomValues(2 * 5 * 8, 20), q0 = RandomValues(4 * 5 * 8, 21);
+  v1::AttendRequest r;
+  *r.mutable_query() = Floats({1, 4, 5, 8}, q0);
+  *r.mutable_key() = Floats({1, 2, 5, 8}, k0);
+  r.mutable_session()->add_ids("gqa");
+  r.mutable_session()->add_positions(0);
+  r.mutable_session()->set_create(true);
+  ASSERT_THAT(client().Attend(r), IsOk());
+  const std::vector<float> q = RandomValues(4 * 8, 22), k = RandomValues(2 * 8, 23);
+  v1::AttendRequest step;
+  *step.mutable_query() = Floats({1, 4, 1, 8}, q);
+  *step.mutable_key() = Floats({1, 2, 1, 8}, k);
+  step.mutable_session()->add_ids("gqa");
+  step.mutable_session()->add_positions(5);
+  absl::StatusOr<v1::AttendResponse> got = client().Attend(step);
+  ASSERT_THAT(got, IsOk());
+  std::vector<float> keys;
+  for (int h = 0; h < 2; ++h) {
+    keys.insert(keys.end(), k0.begin() + h * 40, k0.begin() + (h + 1) * 40);
+    keys.insert(keys.end(), k.begin() + h * 8, k.begin() + (h + 1) * 8);
+  }
+  v1::AttendRequest whole = step;
+  whole.clear_session();
+  *whole.mutable_key() = Floats({1, 2, 6, 8}, keys);
+  absl::StatusOr<v1::AttendResponse> want = client().Attend(whole);
+  ASSERT_THAT(want, IsOk());
+  ExpectNear(Output(*got), Output(*want), 1e-5f);
+  absl::StatusOr<v1::SessionInfo> info = Info("gqa");
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->heads(), 4);
+  EXPECT_EQ(info->kv_heads(), 2);
+  Close({"gqa"});
+}
+
+// A model layer caches its projections; bias_k / bias_v and the zero key
+// come after every cached row, as in torch.
+TEST_F(SessionServiceTest, ModelLayerStepsEqualTheLayerOverEveryRow) {
+  Rows inputs{8, {}};
+  uint32_t seed = 30;
+  for (int64_t rows : {6, 1, 1}) {
+    const std::vector<float> x = RandomValues(rows * 8, seed++);
+    v1::AttendRequest r;
+    r.set_model("layer");
+    *r.mutable_query() = Floats({1, rows, 8}, x);
+    r.mutable_mask()->set_causal(v1::Mask::BOTTOM_RIGHT);
+    r.mutable_session()->add_ids("layer-session");
+    r.mutable_session()->add_positions(inputs.length());
+    r.mutable_session()->set_create(inputs.length() == 0);
+    absl::StatusOr<v1::AttendResponse> got = client().Attend(r);
+    ASSERT_THAT(got, IsOk());
+    inputs.values.insert(inputs.values.end(), x.begin(), x.end());
+    v1::AttendRequest whole = r;
+    whole.clear_session();
+    *whole.mutable_key() = inputs.Tensor();
+    absl::StatusOr<v1::AttendResponse> want = client().Attend(whole);
+    ASSERT_THAT(want, IsOk());
+    ExpectNear(Output(*got), Output(*want), 1e-5f);
+  }
+  // Another kind of request on it is refused, naming what it belongs to.
+  v1::AttendRequest raw = Step("layer-session", 8, RandomValues(16, 39));
+  EXPECT_THAT(client().Attend(raw), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("belongs to model \"layer\"")));
+  Close({"layer-session"});
+}
+
+TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
+  const std::vector<float> rows = RandomValues(5 * 16, 40);
+  ASSERT_THAT(client().Attend(Step("errors", 0, rows, true)), IsOk());
+  absl::StatusOr<v1::SessionInfo> before = Info("errors");
+  ASSERT_THAT(before, IsOk());
+  const std::vector<float> one = RandomValues(16, 41);
+  struct Case {
+    const char* name;
+    v1::AttendRequest request;
+    absl::StatusCode code;
+    const char* message;
+  };
+  std::vector<Case> cases = {
+      {"unknown", Step("nobody", 0, one), absl::StatusCode::kNotFound,
+       "session \"nobody\" is not open"},
+      {"exists", Step("errors", 0, one, true), absl::StatusCode::kAlreadyExists,
+       "session \"errors\" is already open (position 5)"},
+      {"position", Step("errors", 4, one), absl::StatusCode::kAborted,
+       "the request is for position 4, the session holds 5 rows"},
+      {"heads", Step("errors", 5, one), absl::StatusCode::kInvalidArgument, "belongs to"},
+      {"mask", Step("errors", 5, one), absl::StatusCode::kInvalidArgument, "mask.causal: TOP_LEFT"},
+      {"ids", Step("errors", 5, one), absl::StatusCode::kInvalidArgument,
+       "session.ids: 2 ids do not match the batch size 1"},
+      {"dtype", Step("errors", 5, one), absl::StatusCode::kInvalidArgument,
+       "session.cache_dtype: session \"errors\" stores FLOAT32"},
+  };
+  cases[3].request.set_num_heads(4);
+  cases[4].request.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
+  cases[5].request.mutable_session()->add_ids("other");
+  cases[5].request.mutable_session()->add_positions(0);
+  cases[6].request.mutable_session()->set_cache_dtype(v1::Tensor::BFLOAT16);
+  for (const Case& c : cases) {
+    EXPECT_THAT(client().Attend(c.request), StatusIs(c.code, HasSubstr(c.message))) << c.name;
+    absl::StatusOr<v1::SessionInfo> after = Info("errors");
+    ASSERT_THAT(after, IsOk()) << c.name;
+    EXPECT_EQ(after->position(), before->position()) << c.name;
+    EXPECT_EQ(after->bytes(), before->bytes()) << c.name;
+  }
+  // A failed create leaves no session behind.
+  v1::AttendRequest bad_create = Step("never", 0, one, true);
+  bad_create.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
+  EXPECT_THAT(client().Attend(bad_create), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("TOP_LEFT")));
+  EXPECT_THAT(Info("never"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"never\"")));
+  // close: answered, then gone.
+  v1::AttendRequest last = Step("errors", 5, one);
+  last.mutable_session()->set_close(true);
+  ASSERT_THAT(client().Attend(last), IsOk());
+  EXPECT_THAT(Info("errors"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"errors\"")));
+  const v1::CloseSessionsResponse closed = Close({"errors", "nobody"});
+  EXPECT_THAT(closed.not_found(), ElementsAre("errors", "nobody"));
+}
+
+// Several threads step one session, each retrying on ABORTED with the
+// position the session reached: every step is applied once, one at a time.
+TEST_F(SessionServiceTest, ConcurrentStepsOnOneSessionApplyOneAtATime) {
+  ASSERT_THAT(client().Attend(Step("shared", 0, RandomValues(4 * 16, 50), true)), IsOk());
+  constexpr int kThreads = 4, kSteps = 8;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int s = 0; s < kSteps; ++s) {
+        const std::vector<float> row = RandomValues(16, 100 * t + s);
+        for (int attempt = 0;; ++attempt) {
+          absl::StatusOr<v1::SessionInfo> info = Info("shared");
+          if (!info.ok() || attempt > 200) {
+            ++failures;
+            return;
+          }
+          absl::StatusOr<v1::AttendResponse> r = client().Attend(Step("shared", info->position(), row));
+          if (r.ok()) break;
+          if (r.status().code() != absl::StatusCode::kAborted) {
+            ++failures;
+            return;
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  absl::StatusOr<v1::SessionInfo> info = Info("shared");
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->position(), 4 + kThreads * kSteps);
+  Close({"shared"});
+}
+
+TEST_F(SessionServiceTest, StreamsCarrySessions) {
+  grpc::ClientContext context;
+  auto stream = Stub()->AttendStream(&context);
+  v1::AttendRequest r = Step("streamed", 0, RandomValues(3 * 16, 60), true);
+  r.set_id("first");
+  ASSERT_TRUE(stream->Write(r));
+  v1::AttendResponse answer;
+  ASSERT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.status().code(), 0) << answer.status().message();
+  EXPECT_THAT(answer.session_positions(), ElementsAre(3));
+  r = Step("streamed", 2, RandomValues(16, 61));
+  r.set_id("stale");
+  ASSERT_TRUE(stream->Write(r));
+  ASSERT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.status().code(), static_cast<int>(grpc::StatusCode::ABORTED));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  Close({"streamed"});
+}
+
+// A small cap: idle sessions are evicted, least recently used first; a
+// request needing more than the cap is refused with the numbers; idle ones
+// expire; closing gives the bytes back.
+TEST(SessionLimitsTest, EvictionExpiryAndMemory) {
+  ServerOptions options;
+  options.session_memory_mb = 1;
+  options.session_idle_seconds = 2;
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  client::AttentionClient& c = (*server)->client();
+  auto request = [](const std::string& id, int64_t rows, int64_t dim) {
+    v1::AttendRequest r;
+    *r.mutable_query() = Floats({1, rows, dim}, RandomValues(rows * dim, 70));
+    r.mutable_session()->add_ids(id);
+    r.mutable_session()->add_positions(0);
+    r.mutable_session()->set_create(true);
+    return r;
+  };
+  // 256 KiB each (64 rows x (128 + 128) floats x 4 bytes x 4 blocks).
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_THAT(c.Attend(request(absl::StrCat("s", i), 256, 128)), IsOk());
+  }
+  ASSERT_THAT(c.Attend(request("s4", 256, 128)), IsOk());
+  auto stub = v1::AttentionService::NewStub(c.channel());
+  auto info = [&](const std::string& id) {
+    grpc::ClientContext context;
+    v1::GetSessionRequest r;
+    r.set_id(id);
+    v1::SessionInfo out;
+    return stub->GetSession(&context, r, &out).error_code();
+  };
+  EXPECT_EQ(info("s0"), grpc::StatusCode::NOT_FOUND);  // the least recently used
+  EXPECT_EQ(info("s4"), grpc::StatusCode::OK);
+  EXPECT_THAT(c.Attend(request("huge", 2048, 128)),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("all sessions may hold (--session_memory_mb)")));
+  EXPECT_EQ(info("s4"), grpc::StatusCode::OK);  // a refused request evicts nothing it cannot use
+  absl::SleepFor(absl::Seconds(2.5));
+  EXPECT_EQ(info("s4"), grpc::StatusCode::NOT_FOUND);  // expired
+  // Its cache's bytes went with it.
+  const std::string metrics = (*server)->server().metrics().RenderPrometheus();
+  EXPECT_THAT(metrics, HasSubstr("\nattention_session_cache_bytes 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("\nattention_sessions_open 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("attention_sessions_ended_total{reason=\"evicted\"} 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("attention_sessions_ended_total{reason=\"expired\"} 4\n"));
+}
+
+}  // namespace
+}  // namespace attention::testing
