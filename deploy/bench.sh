@@ -8,8 +8,9 @@
 #                                        measured time and peak RSS per score kind
 #   bash deploy/bench.sh memory         server_memory_check: how far long calls
 #                                        grow attention_server's peak RSS
-#   bash deploy/bench.sh decode [ARGS]   decode_bench ARGS: sessions' decode against a
-#                                        memory-read probe, BFLOAT16 caches, prefill
+#   bash deploy/bench.sh decode [ARGS]   decode_bench and session_server_bench ARGS:
+#                                        sessions' decode against a memory-read probe,
+#                                        BFLOAT16 caches, prefill, steps through the server
 #   bash deploy/bench.sh loadtest [SECS] attention_loadtest's own CPU use and rate
 #                                        accuracy up to the server's capacity
 #                                        (deploy/loadtest_bench.sh)
@@ -28,7 +29,7 @@ case "$which" in
   server) targets=(attention_server_bench) ;;
   cost) targets=(cost_model_check) ;;
   memory) targets=(attention_server server_memory_check) ;;
-  decode) targets=(decode_bench) ;;
+  decode) targets=(decode_bench session_server_bench) ;;
   loadtest) targets=(attention_server attention_cli attention_loadtest) ;;
   *) targets=(attention_bench attention_server_bench) ;;
 esac
@@ -38,7 +39,7 @@ case "$which" in
   server) build-release/attention_server_bench "$@" ;;
   cost) build-release/cost_model_check ;;
   memory) build-release/server_memory_check build-release/attention_server ;;
-  decode) build-release/decode_bench "$@" ;;
+  decode) build-release/decode_bench "$@" && build-release/session_server_bench "$@" ;;
   loadtest)
     bash deploy/loadtest_bench.sh build-release/attention_server build-release/attention_cli \
       build-release/attention_loadtest "$@"

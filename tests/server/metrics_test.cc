@@ -235,6 +235,10 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
                                   {"attention_malloc_trim_seconds_total", "counter"},
                                   {"attention_not_computed_total", "counter"},
                                   {"attention_interrupted_total", "counter"},
+                                  {"attention_sessions_open", "gauge"},
+                                  {"attention_session_cache_bytes", "gauge"},
+                                  {"attention_sessions_ended_total", "counter"},
+                                  {"attention_session_rows_appended_total", "counter"},
                               }));
   EXPECT_THAT(exposition.Value("attention_queue_depth"), Optional(0.0));
   EXPECT_THAT(exposition.Value("attention_in_flight"), Optional(0.0));
@@ -244,6 +248,10 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
               Optional(0.0));
   EXPECT_THAT(exposition.Value("attention_not_computed_total", {{"reason", "deadline_exceeded"}}),
               Optional(0.0));
+  for (const char* reason : {"closed", "evicted", "expired", "failed"}) {
+    EXPECT_THAT(exposition.Value("attention_sessions_ended_total", {{"reason", reason}}),
+                Optional(0.0));
+  }
   ExpectHistogramsConsistent(exposition);
 }
 

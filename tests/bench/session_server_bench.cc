@@ -1,0 +1,233 @@
+// Sessions end to end (docs/benchmarks.md, "Sessions"): decode steps of B16
+// H8 D64 over 4096 cached rows per session through a real AttentionServer,
+// against the same step in the engine alone plus a bare gRPC echo of the
+// step's request and answer bytes (tests/bench/echo.proto), all in one
+// process and one run; and a step request's bytes at two cached lengths.
+// Prints the figures and "PASS" / "MISS"; with --enforce exits 1 on a miss.
+//
+//   session_server_bench [--enforce]
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "attention/v1/service.grpc.pb.h"
+#include "client/attention_client.h"
+#include "client/tensors.h"
+#include "engine/engine.h"
+#include "engine/kv_cache.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "server/server.h"
+#include "tests/bench/echo.grpc.pb.h"
+
+namespace attention {
+namespace {
+
+constexpr int64_t kSessions = 16, kHeads = 8, kDim = 64, kCached = 4096;
+constexpr double kStepRatio = 1.25;  // server step / (engine step + echo)
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Seconds per call of `f` over one round of at least 0.3 s.
+template <typename F>
+double TimeRound(F f) {
+  int calls = 0;
+  const absl::Time start = absl::Now();
+  double elapsed = 0;
+  do {
+    f();
+    ++calls;
+    elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  } while (elapsed < 0.3);
+  return elapsed / calls;
+}
+
+std::vector<float> RandomValues(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "session_server_bench: %s\n", what.c_str());
+  std::exit(2);
+}
+
+// A step of every session: one new row each (query = key = value), rank 3
+// with 8 heads of 64.
+v1::AttendRequest StepRequest(const std::vector<int64_t>& positions) {
+  v1::AttendRequest r;
+  r.set_num_heads(kHeads);
+  *r.mutable_query() = *client::MakeFloatTensor({kSessions, 1, kHeads * kDim},
+                                                RandomValues(kSessions * kHeads * kDim, 7));
+  for (int64_t b = 0; b < kSessions; ++b) {
+    r.mutable_session()->add_ids(absl::StrCat("decoder-", b));
+    r.mutable_session()->add_positions(positions[b]);
+  }
+  return r;
+}
+
+// The bare echo: answers with a canned response, so a call costs gRPC and
+// protobuf alone.
+class EchoService final : public bench::Echo::CallbackService {
+ public:
+  explicit EchoService(v1::AttendResponse canned) : canned_(std::move(canned)) {}
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
+                                   const v1::AttendRequest*, v1::AttendResponse* response) override {
+    *response = canned_;
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
+  const v1::AttendResponse canned_;
+};
+
+// The engine alone: the same sessions' step, appended and dropped again.
+class EngineStep {
+ public:
+  EngineStep() : engine_(std::move(Engine::Create({})).value()) {
+    const std::vector<float> rows = RandomValues(kCached * kHeads * kDim, 3);
+    for (int64_t b = 0; b < kSessions; ++b) {
+      caches_.push_back(std::move(KvCache::Create(kHeads, kDim, kDim, DType::kFloat32)).value());
+      if (!caches_.back()->Append(kCached, rows.data(), kHeads * kDim, kDim, rows.data(),
+                                  kHeads * kDim, kDim).ok()) {
+        Fail("engine cache");
+      }
+      caches_.back()->Commit();
+      session_.caches.push_back(caches_.back().get());
+    }
+    q_ = RandomValues(kSessions * kHeads * kDim, 4);
+    args_.query =
+        TensorView{DType::kFloat32, {kSessions, 1, kHeads * kDim}, q_.data(), q_.size() * 4};
+    args_.num_heads = kHeads;
+  }
+
+  void Step() {
+    EngineCall call{&args_, nullptr};
+    call.session = &session_;
+    if (!engine_->AttendBatch({&call, 1}).front().ok()) Fail("engine step");
+    for (KvCache* c : session_.caches) c->Rollback();
+  }
+
+ private:
+  std::unique_ptr<Engine> engine_;
+  std::vector<std::unique_ptr<KvCache>> caches_;
+  SessionCall session_;
+  std::vector<float> q_;
+  AttentionArgs args_;
+};
+
+int Main(int argc, char** argv) {
+  const bool enforce = argc > 1 && std::strcmp(argv[1], "--enforce") == 0;
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.drain_seconds = 5;
+  absl::StatusOr<std::unique_ptr<AttentionServer>> server = AttentionServer::Create(options);
+  if (!server.ok()) Fail(server.status().ToString());
+  client::ClientOptions client_options;
+  client_options.target = (*server)->address();
+  std::unique_ptr<client::AttentionClient> client =
+      std::move(client::AttentionClient::Create(client_options)).value();
+  // Prefill: one create request per session of kCached rows.
+  std::vector<int64_t> positions(kSessions, 0);
+  for (int64_t b = 0; b < kSessions; ++b) {
+    v1::AttendRequest r;
+    r.set_num_heads(kHeads);
+    *r.mutable_query() = *client::MakeFloatTensor({1, kCached, kHeads * kDim},
+                                                  RandomValues(kCached * kHeads * kDim, 10 + b));
+    r.mutable_session()->add_ids(absl::StrCat("decoder-", b));
+    r.mutable_session()->add_positions(0);
+    r.mutable_session()->set_create(true);
+    absl::StatusOr<v1::AttendResponse> answer = client->Attend(r);
+    if (!answer.ok()) Fail(absl::StrCat("prefill: ", answer.status().ToString()));
+    positions[b] = answer->session_positions(0);
+  }
+  // Steps grow the sessions by one row each: a few hundred steps move the
+  // length by a few percent.
+  v1::AttendResponse last_answer;
+  auto server_step = [&] {
+    absl::StatusOr<v1::AttendResponse> answer = client->Attend(StepRequest(positions));
+    if (!answer.ok()) Fail(absl::StrCat("step: ", answer.status().ToString()));
+    for (int64_t b = 0; b < kSessions; ++b) positions[b] = answer->session_positions(b);
+    last_answer = *std::move(answer);
+  };
+  server_step();
+  // The echo of the same bytes.
+  EchoService echo(last_answer);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&echo);
+  std::unique_ptr<grpc::Server> echo_server = builder.BuildAndStart();
+  if (echo_server == nullptr) Fail("echo server");
+  auto stub = bench::Echo::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                                                       grpc::InsecureChannelCredentials()));
+  const v1::AttendRequest echo_request = StepRequest(positions);
+  auto echo_call = [&] {
+    grpc::ClientContext context;
+    v1::AttendResponse response;
+    if (!stub->Attend(&context, echo_request, &response).ok()) Fail("echo call");
+  };
+  EngineStep engine;
+  engine.Step();
+  echo_call();
+  // The three alternate over rounds, so that load from elsewhere on the
+  // machine falls on all of them; the ratio is the median of the rounds'.
+  std::vector<double> servers, engines, echoes, ratios;
+  for (int round = 0; round < 7; ++round) {
+    servers.push_back(TimeRound(server_step));
+    engines.push_back(TimeRound([&] { engine.Step(); }));
+    echoes.push_back(TimeRound(echo_call));
+    ratios.push_back(servers.back() / (engines.back() + echoes.back()));
+  }
+  echo_server->Shutdown();
+  const int64_t request_bytes = static_cast<int64_t>(StepRequest(positions).ByteSizeLong());
+  const int64_t early_bytes =
+      static_cast<int64_t>(StepRequest(std::vector<int64_t>(kSessions, 1024)).ByteSizeLong());
+  (*server)->Shutdown();
+  const double server_step_s = Median(servers), engine_step = Median(engines),
+               echo_s = Median(echoes);
+  const double ratio = Median(ratios);
+  const bool met = ratio <= kStepRatio;
+  std::printf(
+      "decode step, B%lld H%lld D%lld over ~%lld cached rows per session:\n"
+      "  medians: through the server %.1f us; engine alone %.1f us; bare gRPC echo of its %lld-byte "
+      "request and %lld-byte answer %.1f us\n"
+      "  (the server's own timing of its last step: queue %lld us, compute %lld us)\n"
+      "  server / (engine + echo), median of 7 alternating rounds = %.2fx (target <= %.2fx) %s\n"
+      "  step request bytes: %lld at 1024 cached rows, %lld at %lld (only the new rows travel)\n",
+      static_cast<long long>(kSessions), static_cast<long long>(kHeads),
+      static_cast<long long>(kDim), static_cast<long long>(kCached), server_step_s * 1e6,
+      engine_step * 1e6, static_cast<long long>(request_bytes),
+      static_cast<long long>(last_answer.ByteSizeLong()), echo_s * 1e6,
+      static_cast<long long>(last_answer.queue_us()),
+      static_cast<long long>(last_answer.compute_us()), ratio, kStepRatio,
+      met ? "PASS" : "MISS", static_cast<long long>(early_bytes),
+      static_cast<long long>(request_bytes), static_cast<long long>(positions[0]));
+  return enforce && !met ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace attention
+
+int main(int argc, char** argv) { return attention::Main(argc, argv); }
