@@ -21,6 +21,15 @@
 namespace attention::testing {
 namespace {
 
+// The one model the fake serves.
+v1::ModelConfig DemoModel() {
+  v1::ModelConfig model;
+  model.set_name("demo");
+  model.set_embed_dim(8);
+  model.set_num_heads(2);
+  return model;
+}
+
 std::string Authorization(const grpc::ServerContext& context) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
@@ -80,10 +89,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
   grpc::Status ListModels(grpc::ServerContext* context, const v1::ListModelsRequest*,
                           v1::ListModelsResponse* response) override {
     Record(*context);
-    v1::ModelConfig* model = response->add_models();
-    model->set_name("demo");
-    model->set_embed_dim(8);
-    model->set_num_heads(2);
+    *response->add_models() = DemoModel();
     return grpc::Status::OK;
   }
 
@@ -94,7 +100,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
       return grpc::Status(grpc::StatusCode::NOT_FOUND,
                           absl::StrCat("model \"", request->name(), "\" is not registered"));
     }
-    response->mutable_config()->set_name("demo");
+    *response->mutable_config() = DemoModel();
     return grpc::Status::OK;
   }
 

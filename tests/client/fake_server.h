@@ -39,6 +39,7 @@ namespace attention::testing {
 // kv_heads x (head_dim + value_dim) x the cache dtype's size).
 // AttendStream answers each message as Attend would, with its id and status
 // (a "fail" message gets status code 3; "hang" is not special there).
+// ListModels and GetModel know one model, "demo": embed_dim 8, 2 heads.
 // Health answers the status set with set_health(); service "missing" gets
 // NOT_FOUND. Thread-safe.
 class FakeAttentionServer {
