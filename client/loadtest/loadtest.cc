@@ -376,24 +376,40 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   return absl::OkStatus();
 }
 
-int RunSessionLoad(Prepared& prepared, const LoadtestConfig& config, std::ostream& out,
-                   std::ostream& err, const std::atomic<bool>* interrupted) {
+// --sessions: the decoders' run, into `report`.
+absl::Status RunSessionLoad(Prepared& prepared, const std::atomic<bool>* interrupted,
+                            Report* report) {
   SessionLoadOptions& options = *prepared.sessions;
   if (prepared.verifier.has_value()) options.verifier = &*prepared.verifier;
   options.interrupted = interrupted;
-  absl::StatusOr<SessionRunResult> result = RunSessions(options);
-  if (!result.ok()) {
-    err << "error: " << result.status().message() << "\n";
-    return kExitSetup;
+  ATTN_ASSIGN_OR_RETURN(SessionRunResult result, RunSessions(options));
+  report->stats = std::move(result.stats);
+  report->sessions = std::move(result.sessions);
+  return absl::OkStatus();
+}
+
+// The other loads: the schedule's run, into `report`, with the progress line
+// on `err` when the config asks for it.
+absl::Status RunScheduledLoad(Prepared& prepared, const LoadtestConfig& config, std::ostream& err,
+                              const std::atomic<bool>* interrupted, Report* report) {
+  RunOptions& options = prepared.options;
+  if (prepared.verifier.has_value()) options.verifier = &*prepared.verifier;
+  options.interrupted = interrupted;
+  size_t drawn = 0;
+  if (config.progress) {
+    options.on_progress = [&err, &drawn](const Progress& progress) {
+      const std::string line = FormatProgress(progress);
+      err << "\r" << line << std::string(drawn > line.size() ? drawn - line.size() : 0, ' ')
+          << std::flush;
+      drawn = line.size();
+    };
   }
-  if (interrupted != nullptr && interrupted->load()) {
-    err << "interrupted: the report covers the run until then\n";
-  }
-  Report report;
-  report.run = prepared.description;
-  report.stats = std::move(result->stats);
-  report.sessions = std::move(result->sessions);
-  return Conclude(report, prepared.thresholds, config, out, err);
+  absl::StatusOr<RunResult> result = RunLoad(options, prepared.request);
+  if (drawn > 0) err << "\r" << std::string(drawn, ' ') << "\r" << std::flush;
+  if (!result.ok()) return result.status();
+  report->stats = std::move(result->stats);
+  report->timeline = std::move(result->timeline);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -417,32 +433,18 @@ int RunLoadtest(const LoadtestConfig& config, std::ostream& out, std::ostream& e
     err << "error: " << status.message() << "\n";
     return kExitSetup;
   }
-  if (prepared.sessions.has_value()) return RunSessionLoad(prepared, config, out, err, interrupted);
-  RunOptions& options = prepared.options;
-  if (prepared.verifier.has_value()) options.verifier = &*prepared.verifier;
-  options.interrupted = interrupted;
-  size_t drawn = 0;
-  if (config.progress) {
-    options.on_progress = [&err, &drawn](const Progress& progress) {
-      const std::string line = FormatProgress(progress);
-      err << "\r" << line << std::string(drawn > line.size() ? drawn - line.size() : 0, ' ')
-          << std::flush;
-      drawn = line.size();
-    };
-  }
-  absl::StatusOr<RunResult> result = RunLoad(options, prepared.request);
-  if (drawn > 0) err << "\r" << std::string(drawn, ' ') << "\r" << std::flush;
-  if (!result.ok()) {
-    err << "error: " << result.status().message() << "\n";
+  Report report;
+  report.run = prepared.description;
+  const absl::Status ran = prepared.sessions.has_value()
+                               ? RunSessionLoad(prepared, interrupted, &report)
+                               : RunScheduledLoad(prepared, config, err, interrupted, &report);
+  if (!ran.ok()) {
+    err << "error: " << ran.message() << "\n";
     return kExitSetup;
   }
   if (interrupted != nullptr && interrupted->load()) {
     err << "interrupted: the report covers the run until then\n";
   }
-  Report report;
-  report.run = prepared.description;
-  report.stats = std::move(result->stats);
-  report.timeline = std::move(result->timeline);
   return Conclude(report, prepared.thresholds, config, out, err);
 }
 

@@ -113,7 +113,7 @@ class Decoder {
       }
     }
     cpu_->DoneStepping();
-    if ((*session)->open()) {
+    if ((*session)->open() && !lost_) {
       const absl::Status closed = (*session)->Close();
       if (closed.ok()) {
         ++result_.sessions.closed;
@@ -165,6 +165,7 @@ class Decoder {
     stats.send_lateness.Record(0);
     if (!answer.ok()) {
       CountFailure(answer.status(), &stats);
+      lost_ = answer.status().code() == absl::StatusCode::kNotFound;
       return false;
     }
     stats.server_queue.Record(answer->queue_us() * 1000);
@@ -192,6 +193,8 @@ class Decoder {
   const Clock::time_point start_;
   StepCpu* cpu_;
   DecoderResult result_;
+  // A step found the session gone (NOT_FOUND): there is nothing to close.
+  bool lost_ = false;
 };
 
 absl::Status CheckOptions(const SessionLoadOptions& options) {

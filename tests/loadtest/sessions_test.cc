@@ -113,6 +113,7 @@ TEST_F(SessionLoadTest, WithoutKeptRowsALostSessionEndsItsDecoder) {
   EXPECT_EQ(result->stats.sent, 2);
   EXPECT_EQ(result->stats.calls_by_code[static_cast<int>(absl::StatusCode::kNotFound)], 1);
   EXPECT_EQ(result->stats.first_error, "NOT_FOUND: session test-0 is not open");
+  EXPECT_EQ(result->sessions.closed, 0);
   EXPECT_EQ(result->sessions.cache_bytes_read, kRowBytes * 5.0);
 }
 
