@@ -61,8 +61,10 @@ class Session {
   // Attend with a batch of 1: rank 3 [1, S_new, E] ([S_new, 1, E] with
   // SEQUENCE_FIRST) or rank 4 [1, H, S_new, D]. Returns the answer, which
   // attends over every row the session holds, and sets position() to its
-  // session_positions. A failed step changes nothing here (nor, by the
-  // contract, on the server). With keep_rows, a NOT_FOUND answer to a step
+  // session_positions (an answer without them: position() + the rows sent).
+  // A failed step changes nothing here (nor, by the contract, on the
+  // server). With keep_rows, rows whose dtype or other dims differ from
+  // those kept are INVALID_ARGUMENT, unsent; a NOT_FOUND answer to a step
   // after the first is retried once as a recreation: one request with create
   // whose key and value are every kept row and then this step's, and whose
   // query is this step's, so its answer is this step's answer
