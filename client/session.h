@@ -76,7 +76,7 @@ class Session {
   // Closes the session on the server (CloseSessions). OK also when the
   // server no longer had it; a session no step created sends nothing. Later
   // steps are FAILED_PRECONDITION. Dropping a Session does not close it: the
-  // server expires it once idle.
+  // server keeps it until it expires or is evicted.
   absl::Status Close();
 
   const std::string& id() const { return options_.id; }
