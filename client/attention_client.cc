@@ -11,6 +11,7 @@
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -70,7 +71,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 }
 
 // The channel's service config: a retry policy for UNAVAILABLE on the unary
-// methods, which are idempotent (Attend computes and keeps nothing). Streams
+// methods. They are idempotent, or safe to repeat: a stateless Attend computes
+// and keeps nothing; a session's Attend names the positions it expects, so a
+// repeat of one that was applied fails ABORTED instead of appending twice;
+// closing a closed session only lists it in not_found. Streams
 // stay out: a retried stream would resend every message written so far. The
 // throttle stops retrying on the channel after a run of failures (5 more than
 // a tenth of its successes), so a server that is going away or overloaded is
@@ -82,6 +86,8 @@ std::string ServiceConfig(int max_attempts) {
     {"service": "attention.v1.AttentionService", "method": "GetServerInfo"},
     {"service": "attention.v1.AttentionService", "method": "ListModels"},
     {"service": "attention.v1.AttentionService", "method": "GetModel"},
+    {"service": "attention.v1.AttentionService", "method": "CloseSessions"},
+    {"service": "attention.v1.AttentionService", "method": "GetSession"},
     {"service": "grpc.health.v1.Health", "method": "Check"}],
   "retryPolicy": {"maxAttempts": )json",
                       max_attempts, R"json(, "initialBackoff": "0.1s", "maxBackoff": "1s",
@@ -196,6 +202,20 @@ absl::StatusOr<v1::GetModelResponse> AttentionClient::GetModel(const std::string
   request.set_name(name);
   return Call<v1::GetModelResponse>(options_, *stub_, &v1::AttentionService::Stub::GetModel,
                                     request);
+}
+
+absl::StatusOr<v1::CloseSessionsResponse> AttentionClient::CloseSessions(
+    const std::vector<std::string>& ids) {
+  v1::CloseSessionsRequest request;
+  request.mutable_ids()->Assign(ids.begin(), ids.end());
+  return Call<v1::CloseSessionsResponse>(options_, *stub_,
+                                         &v1::AttentionService::Stub::CloseSessions, request);
+}
+
+absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& id) {
+  v1::GetSessionRequest request;
+  request.set_id(id);
+  return Call<v1::SessionInfo>(options_, *stub_, &v1::AttentionService::Stub::GetSession, request);
 }
 
 absl::StatusOr<std::string> AttentionClient::Health(const std::string& service) {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -82,6 +83,13 @@ class AttentionClient {
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
   absl::StatusOr<v1::ListModelsResponse> ListModels();
   absl::StatusOr<v1::GetModelResponse> GetModel(const std::string& name);
+  // Closes the sessions `ids` and frees their caches. OK even when some were
+  // not open: the answer lists them in not_found. client/session.h keeps a
+  // session's ids and positions for a caller.
+  absl::StatusOr<v1::CloseSessionsResponse> CloseSessions(const std::vector<std::string>& ids);
+  // One open session's position, heads, dims, dtype and bytes; NOT_FOUND
+  // naming the id when it is not open (unknown, closed, expired or evicted).
+  absl::StatusOr<v1::SessionInfo> GetSession(const std::string& id);
   // grpc.health.v1 Check for `service` ("" = the whole server); returns the
   // status name: "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health(const std::string& service = "");

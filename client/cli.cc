@@ -38,6 +38,10 @@ commands:
   info              print GetServerInfo
   models            print ListModels
   model NAME        print GetModel for NAME
+  session ID        print GetSession for session ID: its position, heads, dims,
+                    cache dtype and bytes
+  close ID...       close these sessions (CloseSessions); print which were
+                    closed and which were not open
 
 flags:
   --target HOST:PORT    server address, any gRPC target (default 127.0.0.1:50051)
@@ -132,12 +136,20 @@ absl::Status CheckPositionals(const std::vector<std::string>& positionals, CliCo
     if (operands > 1) return too_many(1);
     if (operands == 0) return absl::InvalidArgumentError("model needs a NAME");
     command->model = positionals[1];
+  } else if (command->command == "session") {
+    if (operands > 1) return too_many(1);
+    if (operands == 0) return absl::InvalidArgumentError("session needs an ID");
+    command->session_ids = {positionals[1]};
+  } else if (command->command == "close") {
+    if (operands == 0) return absl::InvalidArgumentError("close needs one or more IDs");
+    command->session_ids.assign(positionals.begin() + 1, positionals.end());
   } else if (command->command == "health" || command->command == "info" ||
              command->command == "models") {
     if (operands > 0) return too_many(0);
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("unknown command \"", command->command,
-                                                   "\" (call, health, info, models or model)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown command \"", command->command,
+                     "\" (call, health, info, models, model, session or close)"));
   }
   return absl::OkStatus();
 }
@@ -193,10 +205,14 @@ absl::StatusOr<v1::AttendRequest> ParseRequest(const std::string& input, const s
   return request;
 }
 
-absl::Status PrintJson(const google::protobuf::Message& message, std::ostream& out) {
+// With `all_fields`, fields at their default (a position of 0, an empty list)
+// are printed too.
+absl::Status PrintJson(const google::protobuf::Message& message, std::ostream& out,
+                       bool all_fields = false) {
   google::protobuf::util::JsonPrintOptions options;
   options.add_whitespace = true;
   options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = all_fields;
   std::string json;
   const auto status = google::protobuf::util::MessageToJsonString(message, &json, options);
   if (!status.ok()) {
@@ -252,6 +268,15 @@ absl::Status RunCommand(const CliCommand& command, std::istream& in, std::ostrea
   if (command.command == "models") {
     ATTN_ASSIGN_OR_RETURN(v1::ListModelsResponse models, client->ListModels());
     return PrintJson(models, out);
+  }
+  if (command.command == "session") {
+    ATTN_ASSIGN_OR_RETURN(v1::SessionInfo info, client->GetSession(command.session_ids[0]));
+    return PrintJson(info, out, /*all_fields=*/true);
+  }
+  if (command.command == "close") {
+    ATTN_ASSIGN_OR_RETURN(v1::CloseSessionsResponse closed,
+                          client->CloseSessions(command.session_ids));
+    return PrintJson(closed, out, /*all_fields=*/true);
   }
   ATTN_ASSIGN_OR_RETURN(v1::GetModelResponse model, client->GetModel(command.model));
   return PrintJson(model, out);

@@ -20,12 +20,15 @@ inline constexpr int kCliUsage = 2;  // the command line is wrong
 
 // One parsed command line.
 struct CliCommand {
-  // "call", "health", "info", "models" or "model"; empty with `help`.
+  // "call", "health", "info", "models", "model", "session" or "close";
+  // empty with `help`.
   std::string command;
   // call: the request file, "-" for standard input.
   std::string input = "-";
   // model: the model's name.
   std::string model;
+  // session: the one id; close: one or more.
+  std::vector<std::string> session_ids;
   // health: the service to check, "" for the whole server.
   std::string service;
   // call: keep output/weights as they came (base64 `data`) instead of `float_data`.

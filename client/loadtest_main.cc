@@ -65,6 +65,18 @@ ABSL_FLAG(bool, stream, false,
           "Send each call as a message on AttendStream (one stream per connection) instead of "
           "a unary Attend; latency is per message");
 
+ABSL_FLAG(int64_t, sessions, 0,
+          "Decoders with sessions instead of --concurrency, --rate or --schedule: N decoders, "
+          "each on its own thread, create a session with --prefill rows, make --steps one-row "
+          "steps and close it; 0: no sessions");
+ABSL_FLAG(int64_t, prefill, 128, "--sessions: rows each session is created with");
+ABSL_FLAG(int64_t, steps, 128, "--sessions: one-row steps each decoder makes after its prefill");
+ABSL_FLAG(std::string, session_dtype, "float32",
+          "--sessions: how the server stores the cached rows, float32 or bfloat16");
+ABSL_FLAG(bool, session_keep_rows, true,
+          "--sessions: keep every row sent and recreate a session the server lost (NOT_FOUND) "
+          "from them; false ends a decoder whose session is lost");
+
 ABSL_FLAG(std::string, model, "", "A registered model to call; empty for raw attention");
 ABSL_FLAG(std::string, request, "",
           "An AttendRequest in protobuf's JSON mapping to send instead of one built from the "
@@ -121,6 +133,8 @@ constexpr char kUsage[] = R"(load tests an attention service.
   attention_loadtest [--target HOST:PORT]... [--concurrency N | --rate R | --schedule S]
                      [--duration 10s | --requests N] [--model NAME | shape flags | --request FILE]
                      [--json FILE] [--csv FILE] [--histogram_log FILE] [--threshold 'p99<20ms']...
+  attention_loadtest --sessions N [--prefill P] [--steps T] [--session_dtype bfloat16]
+                     [--model NAME | shape flags] [--json FILE] [--threshold ...]
   attention_loadtest merge LOG... [--json FILE] [--threshold ...]
 
 Exit codes: 0 ok, 1 bad command line or setup failure, 2 a threshold was broken.)";
@@ -187,6 +201,11 @@ attention::loadtest::LoadtestConfig ConfigFromFlags() {
   config.timeout = absl::GetFlag(FLAGS_timeout);
   config.connect_timeout = absl::GetFlag(FLAGS_connect_timeout);
   config.stream = absl::GetFlag(FLAGS_stream);
+  config.sessions = absl::GetFlag(FLAGS_sessions);
+  config.prefill = absl::GetFlag(FLAGS_prefill);
+  config.steps = absl::GetFlag(FLAGS_steps);
+  config.session_dtype = absl::GetFlag(FLAGS_session_dtype);
+  config.session_keep_rows = absl::GetFlag(FLAGS_session_keep_rows);
 
   config.request_file = absl::GetFlag(FLAGS_request);
   config.shape.model = absl::GetFlag(FLAGS_model);

@@ -17,12 +17,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/loadtest/h2_transport.h"
 #include "client/loadtest/report.h"
 #include "client/loadtest/runner.h"
 #include "client/loadtest/schedule.h"
+#include "client/loadtest/sessions.h"
 #include "client/loadtest/stats.h"
 #include "client/loadtest/thresholds.h"
 #include "client/loadtest/workload.h"
@@ -168,6 +170,8 @@ std::string FormatProgress(const Progress& progress) {
 // Everything before the first call: thresholds, schedule, request, verifier.
 struct Prepared {
   std::vector<Threshold> thresholds;
+  // Set with --sessions, which runs these instead of `options`.
+  std::optional<SessionLoadOptions> sessions;
   RunOptions options;
   v1::AttendRequest request;
   std::optional<Verifier> verifier;
@@ -189,9 +193,109 @@ absl::StatusOr<v1::ModelConfig> FetchModel(const LoadtestConfig& config, const s
   return response->config();
 }
 
+// The flags of other loads that --sessions does not take, when they are set.
+absl::Status CheckSessionFlags(const LoadtestConfig& config) {
+  const LoadtestConfig defaults;
+  std::vector<absl::string_view> set;
+  auto check = [&set](bool is_set, absl::string_view flag) {
+    if (is_set) set.push_back(flag);
+  };
+  check(config.concurrency != 0, "--concurrency");
+  check(config.rate != 0, "--rate");
+  check(!config.schedule.empty(), "--schedule");
+  check(config.arrival != defaults.arrival, "--arrival");
+  check(config.max_in_flight != 0, "--max_in_flight");
+  check(config.duration.has_value(), "--duration");
+  check(config.requests != 0, "--requests");
+  check(config.warmup != absl::ZeroDuration(), "--warmup");
+  check(config.stream, "--stream");
+  check(config.transport == "h2", "--transport h2");
+  check(!config.request_file.empty(), "--request");
+  check(!config.expected_file.empty(), "--expected");
+  check(config.shape.batch != 1, "--batch");
+  check(config.shape.key_len != 0, "--kv_len");
+  check(config.shape.need_weights, "--need_weights");
+  if (set.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--sessions runs decoders of --prefill and --steps calls; it does not take ",
+                   absl::StrJoin(set, ", ")));
+}
+
+// --sessions: the decoders' requests and options.
+absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
+  ATTN_RETURN_IF_ERROR(CheckSessionFlags(config));
+  if (config.prefill < 1 || config.steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--prefill is ", config.prefill, " and --steps ",
+                                                   config.steps, "; want 1 or more and 0 or more"));
+  }
+  ShapeOptions shape = config.shape;
+  ATTN_ASSIGN_OR_RETURN(shape.mask, ParseMaskKind(config.mask));
+  if (shape.mask != MaskKind::kNone && shape.mask != MaskKind::kCausalBottomRight) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--sessions takes --mask none or causal_bottom_right (the decoder's mask), not ",
+        config.mask));
+  }
+  ATTN_ASSIGN_OR_RETURN(shape.dtype, ParseFloatDType(config.dtype));
+  v1::Tensor::DType cache_dtype;
+  if (config.session_dtype == "float32") {
+    cache_dtype = v1::Tensor::FLOAT32;
+  } else if (config.session_dtype == "bfloat16") {
+    cache_dtype = v1::Tensor::BFLOAT16;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--session_dtype \"", config.session_dtype, "\" is not float32 or bfloat16"));
+  }
+  std::optional<v1::ModelConfig> model;
+  if (!shape.model.empty()) {
+    ATTN_ASSIGN_OR_RETURN(model, FetchModel(config, shape.model));
+  }
+  const v1::ModelConfig* model_ptr = model.has_value() ? &*model : nullptr;
+
+  SessionLoadOptions& options = prepared->sessions.emplace();
+  shape.query_len = shape.key_len = config.prefill;
+  ATTN_ASSIGN_OR_RETURN(options.prefill, BuildRequest(shape, model_ptr));
+  shape.query_len = shape.key_len = 1;
+  ++shape.seed;
+  ATTN_ASSIGN_OR_RETURN(options.step, BuildRequest(shape, model_ptr));
+  // The cache holds, per key/value head, the head's share of the query's
+  // features for keys and for values (with a model: the projections').
+  const int64_t embed_dim = options.step.query().shape(2);
+  const int64_t heads = model_ptr != nullptr ? model_ptr->num_heads() : shape.heads;
+  options.cache_row_bytes = CacheRowBytes(heads, embed_dim / heads, embed_dim / heads, cache_dtype);
+  options.targets = config.targets;
+  options.connections = config.connections;
+  options.client = config.client;
+  options.client.timeout = config.timeout;
+  options.connect_timeout = config.connect_timeout;
+  options.sessions = config.sessions;
+  options.prefill_rows = config.prefill;
+  options.steps = config.steps;
+  options.cache_dtype = cache_dtype;
+  options.keep_rows = config.session_keep_rows;
+  if (config.verify) {
+    ATTN_ASSIGN_OR_RETURN(AnswerShapes shapes, ExpectedShapes(options.step, model_ptr));
+    ATTN_ASSIGN_OR_RETURN(
+        prepared->verifier,
+        Verifier::Create(std::move(shapes), std::nullopt, config.verify_atol, config.verify_rtol));
+  }
+
+  RunDescription& run = prepared->description;
+  run.targets = config.targets;
+  run.connections = config.connections;
+  run.threads = static_cast<int>(config.sessions);
+  run.transport = "grpc";
+  run.schedule =
+      absl::StrCat(config.sessions, config.sessions == 1 ? " session" : " sessions", " x (prefill ",
+                   config.prefill, " rows + ", config.steps, " one-row steps)");
+  run.workload = absl::StrCat(DescribeRequest(options.step, ""), ", ", config.session_dtype,
+                              " cache", config.session_keep_rows ? ", rows kept" : "");
+  return absl::OkStatus();
+}
+
 absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   if (config.targets.empty()) return absl::InvalidArgumentError("no --target given");
   ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
+  if (config.sessions != 0) return PrepareSessions(config, prepared);
   ATTN_ASSIGN_OR_RETURN(Schedule schedule, MakeSchedule(config));
   ATTN_ASSIGN_OR_RETURN(const Arrival arrival, ParseArrival(config.arrival));
   if (config.transport != "auto" && config.transport != "grpc" && config.transport != "h2") {
@@ -272,10 +376,47 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   return absl::OkStatus();
 }
 
+// --sessions: the decoders' run, into `report`.
+absl::Status RunSessionLoad(Prepared& prepared, const std::atomic<bool>* interrupted,
+                            Report* report) {
+  SessionLoadOptions& options = *prepared.sessions;
+  if (prepared.verifier.has_value()) options.verifier = &*prepared.verifier;
+  options.interrupted = interrupted;
+  ATTN_ASSIGN_OR_RETURN(SessionRunResult result, RunSessions(options));
+  report->stats = std::move(result.stats);
+  report->sessions = std::move(result.sessions);
+  return absl::OkStatus();
+}
+
+// The other loads: the schedule's run, into `report`, with the progress line
+// on `err` when the config asks for it.
+absl::Status RunScheduledLoad(Prepared& prepared, const LoadtestConfig& config, std::ostream& err,
+                              const std::atomic<bool>* interrupted, Report* report) {
+  RunOptions& options = prepared.options;
+  if (prepared.verifier.has_value()) options.verifier = &*prepared.verifier;
+  options.interrupted = interrupted;
+  size_t drawn = 0;
+  if (config.progress) {
+    options.on_progress = [&err, &drawn](const Progress& progress) {
+      const std::string line = FormatProgress(progress);
+      err << "\r" << line << std::string(drawn > line.size() ? drawn - line.size() : 0, ' ')
+          << std::flush;
+      drawn = line.size();
+    };
+  }
+  absl::StatusOr<RunResult> result = RunLoad(options, prepared.request);
+  if (drawn > 0) err << "\r" << std::string(drawn, ' ') << "\r" << std::flush;
+  if (!result.ok()) return result.status();
+  report->stats = std::move(result->stats);
+  report->timeline = std::move(result->timeline);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string ResolveTransport(const LoadtestConfig& config, size_t request_bytes) {
   if (config.transport != "auto") return config.transport;
+  if (config.sessions != 0) return "grpc";
   if (config.stream || request_bytes > kMaxH2AutoRequestBytes || config.client.UsesTls()) {
     return "grpc";
   }
@@ -292,31 +433,18 @@ int RunLoadtest(const LoadtestConfig& config, std::ostream& out, std::ostream& e
     err << "error: " << status.message() << "\n";
     return kExitSetup;
   }
-  RunOptions& options = prepared.options;
-  if (prepared.verifier.has_value()) options.verifier = &*prepared.verifier;
-  options.interrupted = interrupted;
-  size_t drawn = 0;
-  if (config.progress) {
-    options.on_progress = [&err, &drawn](const Progress& progress) {
-      const std::string line = FormatProgress(progress);
-      err << "\r" << line << std::string(drawn > line.size() ? drawn - line.size() : 0, ' ')
-          << std::flush;
-      drawn = line.size();
-    };
-  }
-  absl::StatusOr<RunResult> result = RunLoad(options, prepared.request);
-  if (drawn > 0) err << "\r" << std::string(drawn, ' ') << "\r" << std::flush;
-  if (!result.ok()) {
-    err << "error: " << result.status().message() << "\n";
+  Report report;
+  report.run = prepared.description;
+  const absl::Status ran = prepared.sessions.has_value()
+                               ? RunSessionLoad(prepared, interrupted, &report)
+                               : RunScheduledLoad(prepared, config, err, interrupted, &report);
+  if (!ran.ok()) {
+    err << "error: " << ran.message() << "\n";
     return kExitSetup;
   }
   if (interrupted != nullptr && interrupted->load()) {
     err << "interrupted: the report covers the run until then\n";
   }
-  Report report;
-  report.run = prepared.description;
-  report.stats = std::move(result->stats);
-  report.timeline = std::move(result->timeline);
   return Conclude(report, prepared.thresholds, config, out, err);
 }
 

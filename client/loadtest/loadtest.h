@@ -43,6 +43,17 @@ struct LoadtestConfig {
   absl::Duration connect_timeout = absl::Seconds(10);
   bool stream = false;
 
+  // Sessions instead of the load above (sessions.h): `sessions` decoders,
+  // each creating its session with `prefill` rows (the shape's query length
+  // is ignored), making `steps` one-row steps, and closing it. The cache is
+  // stored as `session_dtype` ("float32" or "bfloat16"); with
+  // session_keep_rows, lost sessions are recreated from the rows kept.
+  int64_t sessions = 0;
+  int64_t prefill = 128;
+  int64_t steps = 128;
+  std::string session_dtype = "float32";
+  bool session_keep_rows = true;
+
   // The request: a JSON file, or one built from `shape` with `mask` and
   // `dtype` by name.
   std::string request_file;

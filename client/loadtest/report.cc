@@ -57,6 +57,51 @@ double MeanBatchSize(const LoadStats& stats) {
   return answers == 0 ? 0 : static_cast<double>(requests) / static_cast<double>(answers);
 }
 
+// "1.23 GB", "456 MB": bytes for people, in powers of 1000.
+std::string FormatBytes(double bytes) {
+  constexpr const char* kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+  size_t unit = 0;
+  while (bytes >= 999.5 && unit + 1 < std::size(kUnits)) {
+    bytes /= 1000;
+    ++unit;
+  }
+  return unit == 0 ? absl::StrFormat("%.0f B", bytes)
+                   : absl::StrFormat("%.*f %s",
+                                     bytes < 9.995   ? 2
+                                     : bytes < 99.95 ? 1
+                                                     : 0,
+                                     bytes, kUnits[unit]);
+}
+
+// The summary's row of `histogram`'s quantiles and max, with `note`.
+std::string HistogramRow(const char* label, const Histogram& histogram, const char* note) {
+  std::string text = absl::StrFormat("%-15s", label);
+  for (const ReportedQuantile& q : kReportedQuantiles) {
+    absl::StrAppend(&text, absl::StrFormat("%10s", FormatLatency(static_cast<double>(
+                                                       histogram.ValueAtQuantile(q.quantile)))));
+  }
+  absl::StrAppend(
+      &text,
+      absl::StrFormat("%10s  %s\n", FormatLatency(static_cast<double>(histogram.max())), note));
+  return text;
+}
+
+std::string SessionSummary(const SessionStats& sessions, double seconds) {
+  std::string text = absl::StrFormat(
+      "\n%-15s%d of %d opened with %d rows, %d closed, %d recreated; %s cache, %s a row\n",
+      "sessions", sessions.opened, sessions.sessions, sessions.prefill_rows, sessions.closed,
+      sessions.recreations, sessions.cache_dtype,
+      FormatBytes(static_cast<double>(sessions.cache_row_bytes)));
+  absl::StrAppend(
+      &text, absl::StrFormat("%-15s%d of %d answered in %.2fs: %.1f/s\n", "steps", sessions.steps,
+                             sessions.sessions * sessions.steps_per_session, seconds,
+                             sessions.steps_per_s(seconds)));
+  absl::StrAppend(&text, absl::StrFormat("%-15s%s in %.2fs: %s/s\n", "cache read",
+                                         FormatBytes(sessions.cache_bytes_read), seconds,
+                                         FormatBytes(sessions.cache_bytes_read_per_s(seconds))));
+  return text;
+}
+
 std::string Plural(int64_t n, const char* one, const char* many) {
   return absl::StrCat(n, " ", n == 1 ? one : many);
 }
@@ -129,14 +174,17 @@ std::string FormatSummary(const Report& report) {
       continue;
     }
     if (histogram.count() == 0) continue;
-    absl::StrAppend(&text, absl::StrFormat("%-15s", kRowText[i].label));
-    for (const ReportedQuantile& q : kReportedQuantiles) {
-      absl::StrAppend(&text, absl::StrFormat("%10s", FormatLatency(static_cast<double>(
-                                                         histogram.ValueAtQuantile(q.quantile)))));
-    }
-    absl::StrAppend(
-        &text, absl::StrFormat("%10s  %s\n", FormatLatency(static_cast<double>(histogram.max())),
-                               kRowText[i].note));
+    const bool step = report.sessions.has_value() && named.histogram == &LoadStats::latency;
+    absl::StrAppend(&text,
+                    HistogramRow(step ? "step" : kRowText[i].label, histogram,
+                                 step ? "a session step, send to answer" : kRowText[i].note));
+  }
+  if (report.sessions.has_value() && report.sessions->prefill.count() > 0) {
+    absl::StrAppend(&text, HistogramRow("prefill", report.sessions->prefill,
+                                        "a session's create with its prefill rows"));
+  }
+  if (report.sessions.has_value()) {
+    absl::StrAppend(&text, SessionSummary(*report.sessions, stats.duration_s));
   }
 
   int64_t answers = 0;
@@ -243,6 +291,24 @@ std::string FormatJson(const Report& report) {
   }
   json["thresholds"] = thresholds;
   json["passed"] = passed;
+  if (report.sessions.has_value()) {
+    const SessionStats& sessions = *report.sessions;
+    json["sessions"] = {
+        {"sessions", sessions.sessions},
+        {"prefill_rows", sessions.prefill_rows},
+        {"steps_per_session", sessions.steps_per_session},
+        {"cache_dtype", sessions.cache_dtype},
+        {"cache_row_bytes", sessions.cache_row_bytes},
+        {"opened", sessions.opened},
+        {"closed", sessions.closed},
+        {"recreations", sessions.recreations},
+        {"steps", sessions.steps},
+        {"steps_per_s", sessions.steps_per_s(stats.duration_s)},
+        {"cache_bytes_read", sessions.cache_bytes_read},
+        {"cache_bytes_read_per_s", sessions.cache_bytes_read_per_s(stats.duration_s)},
+        {"prefill_us", HistogramJson(sessions.prefill)},
+    };
+  }
   return json.dump(2) + "\n";
 }
 

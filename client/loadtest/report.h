@@ -34,6 +34,7 @@ struct RunDescription {
 struct Report {
   std::optional<RunDescription> run;  // absent for merged logs
   LoadStats stats;
+  std::optional<SessionStats> sessions;  // --sessions runs
   std::vector<TimelinePoint> timeline;
   std::vector<ThresholdResult> thresholds;
 };

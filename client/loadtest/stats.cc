@@ -94,6 +94,23 @@ void LoadStats::Merge(const LoadStats& other) {
   cores = std::max(cores, other.cores);
 }
 
+void SessionStats::Merge(const SessionStats& other) {
+  opened += other.opened;
+  closed += other.closed;
+  recreations += other.recreations;
+  steps += other.steps;
+  cache_bytes_read += other.cache_bytes_read;
+  prefill.Merge(other.prefill);
+}
+
+double SessionStats::steps_per_s(double seconds) const {
+  return PerSecond(static_cast<double>(steps), seconds);
+}
+
+double SessionStats::cache_bytes_read_per_s(double seconds) const {
+  return PerSecond(cache_bytes_read, seconds);
+}
+
 std::string LoadStats::ToLog() const {
   std::string log =
       absl::StrCat(kLogMagic, "\n# merge logs with: attention_loadtest merge FILE...\n");

@@ -74,6 +74,37 @@ struct LoadStats {
   static absl::StatusOr<LoadStats> FromLog(absl::string_view text);
 };
 
+// What --sessions measured beside the steps' LoadStats (whose latency
+// histogram and counts are the steps').
+struct SessionStats {
+  // The run: decoders, each with its session, prefill rows and steps.
+  int64_t sessions = 0;
+  int64_t prefill_rows = 0;
+  int64_t steps_per_session = 0;
+  std::string cache_dtype;  // "float32" or "bfloat16"
+  // Cache bytes one row of a session holds: kv_heads x (key_dim + value_dim)
+  // x the cache dtype's size.
+  int64_t cache_row_bytes = 0;
+
+  // Sessions created by their prefill, and closed at the end.
+  int64_t opened = 0;
+  int64_t closed = 0;
+  // Steps answered by recreating a lost session from the kept rows.
+  int64_t recreations = 0;
+  // Steps answered OK, and the cache bytes they read: each the rows it
+  // attended over (the session's position after it) x cache_row_bytes.
+  int64_t steps = 0;
+  double cache_bytes_read = 0;
+  // Nanoseconds, every prefill (the create call), OK or not.
+  Histogram prefill;
+
+  // Merges another decoder's counts (the run's settings are kept).
+  void Merge(const SessionStats& other);
+  // Per second of `seconds` (the steps' duration_s).
+  double steps_per_s(double seconds) const;
+  double cache_bytes_read_per_s(double seconds) const;
+};
+
 // The histograms of a LoadStats under the names the log and the reports use.
 struct NamedHistogram {
   const char* name;

@@ -144,6 +144,29 @@ TEST_F(AttentionClientTest, HealthReturnsTheStatusName) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("unknown service")));
 }
 
+TEST_F(AttentionClientTest, SessionCallsReturnTheServersAnswers) {
+  std::unique_ptr<AttentionClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  v1::AttendRequest request;
+  *request.mutable_query() = *MakeFloatTensor({1, 2, 2}, {1, 2, 3, 4});
+  request.mutable_session()->add_ids("a");
+  request.mutable_session()->add_positions(0);
+  request.mutable_session()->set_create(true);
+  absl::StatusOr<v1::AttendResponse> created = client->Attend(request);
+  ASSERT_THAT(created, IsOk());
+  EXPECT_THAT(created->session_positions(), ElementsAre(2));
+
+  absl::StatusOr<v1::SessionInfo> info = client->GetSession("a");
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->position(), 2);
+  absl::StatusOr<v1::CloseSessionsResponse> closed = client->CloseSessions({"a", "b"});
+  ASSERT_THAT(closed, IsOk());
+  EXPECT_THAT(closed->closed(), ElementsAre("a"));
+  EXPECT_THAT(closed->not_found(), ElementsAre("b"));
+  EXPECT_THAT(client->GetSession("a"),
+              StatusIs(absl::StatusCode::kNotFound, "session a is not open"));
+}
+
 TEST(AttentionClientUnreachableTest, UnusedPortIsUnavailable) {
   std::string target;
   {

@@ -21,6 +21,7 @@ using ::attention::testing::IsOk;
 using ::attention::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::Contains;
+using ::testing::ElementsAre;
 using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -119,6 +120,22 @@ TEST(ParseCliArgsTest, ModelTakesAName) {
   EXPECT_EQ(command->model, "demo");
   EXPECT_THAT(ParseCliArgs({"model"}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model needs a NAME")));
+}
+
+TEST(ParseCliArgsTest, SessionTakesAnIdAndCloseSeveral) {
+  absl::StatusOr<CliCommand> command = ParseCliArgs({"session", "decoder-7"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_EQ(command->command, "session");
+  EXPECT_THAT(command->session_ids, ElementsAre("decoder-7"));
+  command = ParseCliArgs({"close", "a", "--", "-b"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_THAT(command->session_ids, ElementsAre("a", "-b"));
+
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  EXPECT_THAT(ParseCliArgs({"session"}), StatusIs(kInvalid, "session needs an ID"));
+  EXPECT_THAT(ParseCliArgs({"session", "a", "b"}),
+              StatusIs(kInvalid, HasSubstr("session takes 1 argument, got 2: unexpected \"b\"")));
+  EXPECT_THAT(ParseCliArgs({"close"}), StatusIs(kInvalid, "close needs one or more IDs"));
 }
 
 TEST(ParseCliArgsTest, NamesTheBadArgument) {
@@ -308,6 +325,60 @@ TEST_F(RunCliServerTest, InfoModelsAndModelPrintJson) {
   CliResult model = RunAgainstServer({"model", "nope"});
   EXPECT_EQ(model.code, kCliError);
   EXPECT_EQ(model.err, "error: NOT_FOUND: model \"nope\" is not registered\n");
+}
+
+// A decoder from JSON: open with create, step with the position the answer
+// gave, inspect, close.
+TEST_F(RunCliServerTest, SessionsOpenStepInspectAndClose) {
+  CliResult open = RunAgainstServer({"call"}, R"({
+    "query": {"shape": [1, 2, 4], "float_data": [1, 2, 3, 4, 5, 6, 7, 8]},
+    "num_heads": 2,
+    "mask": {"causal": "BOTTOM_RIGHT"},
+    "session": {"ids": ["d1"], "positions": [0], "create": true, "cache_dtype": "BFLOAT16"}
+  })");
+  ASSERT_EQ(open.code, kCliOk) << open.err;
+  EXPECT_THAT(open.out, HasSubstr(R"("session_positions": [
+  "2"
+ ])"));
+
+  CliResult step = RunAgainstServer({"call"}, R"({
+    "query": {"shape": [1, 1, 4], "float_data": [9, 10, 11, 12]},
+    "num_heads": 2,
+    "session": {"ids": ["d1"], "positions": ["2"]}
+  })");
+  ASSERT_EQ(step.code, kCliOk) << step.err;
+  EXPECT_THAT(step.out, HasSubstr("\"3\""));
+
+  CliResult stale = RunAgainstServer({"call"}, R"({
+    "query": {"shape": [1, 1, 4], "float_data": [9, 10, 11, 12]},
+    "session": {"ids": ["d1"], "positions": [2]}
+  })");
+  EXPECT_EQ(stale.code, kCliError);
+  EXPECT_EQ(stale.err,
+            "error: ABORTED: session d1: position 2 was expected, the session holds 3\n");
+
+  CliResult info = RunAgainstServer({"session", "d1"});
+  ASSERT_EQ(info.code, kCliOk) << info.err;
+  EXPECT_THAT(info.out,
+              AllOf(HasSubstr("\"id\": \"d1\""), HasSubstr("\"position\": \"3\""),
+                    HasSubstr("\"heads\": 2"), HasSubstr("\"head_dim\": 2"),
+                    HasSubstr("\"cache_dtype\": \"BFLOAT16\""), HasSubstr("\"idle_ms\": \"0\"")));
+
+  CliResult closed = RunAgainstServer({"close", "d1", "d2"});
+  ASSERT_EQ(closed.code, kCliOk) << closed.err;
+  EXPECT_THAT(closed.out, AllOf(HasSubstr(R"("closed": [
+  "d1"
+ ])"),
+                                HasSubstr(R"("not_found": [
+  "d2"
+ ])")));
+  CliResult none = RunAgainstServer({"close", "d1"});
+  EXPECT_THAT(none.out, HasSubstr(R"("closed": [])"));
+
+  CliResult gone = RunAgainstServer({"session", "d1"});
+  EXPECT_EQ(gone.code, kCliError);
+  EXPECT_EQ(gone.err, "error: NOT_FOUND: session d1 is not open\n");
+  EXPECT_THAT(gone.out, IsEmpty());
 }
 
 }  // namespace

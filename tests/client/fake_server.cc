@@ -1,10 +1,14 @@
 #include "tests/client/fake_server.h"
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/tensors.h"
@@ -16,6 +20,15 @@
 
 namespace attention::testing {
 namespace {
+
+// The one model the fake serves.
+v1::ModelConfig DemoModel() {
+  v1::ModelConfig model;
+  model.set_name("demo");
+  model.set_embed_dim(8);
+  model.set_num_heads(2);
+  return model;
+}
 
 std::string Authorization(const grpc::ServerContext& context) {
   const auto& metadata = context.client_metadata();
@@ -33,8 +46,9 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
   grpc::Status Attend(grpc::ServerContext* context, const v1::AttendRequest* request,
                       v1::AttendResponse* response) override {
     Record(*context);
-    const bool hang = CountAndStall(*context);
-    if (hang || request->id() == "hang") {
+    const Fate fate = CountAndStall(*context);
+    if (!fate.failure.ok()) return fate.failure;
+    if (fate.hang || request->id() == "hang") {
       const absl::Time give_up = absl::Now() + absl::Seconds(30);
       while (!context->IsCancelled() && absl::Now() < give_up)
         absl::SleepFor(absl::Milliseconds(5));
@@ -49,9 +63,9 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     Record(*context);
     v1::AttendRequest request;
     while (stream->Read(&request)) {
-      CountAndStall(*context);
+      const Fate fate = CountAndStall(*context);
       v1::AttendResponse response;
-      const grpc::Status status = Answer(request, &response);
+      const grpc::Status status = fate.failure.ok() ? Answer(request, &response) : fate.failure;
       if (!status.ok()) {
         response.Clear();
         response.set_id(request.id());
@@ -75,10 +89,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
   grpc::Status ListModels(grpc::ServerContext* context, const v1::ListModelsRequest*,
                           v1::ListModelsResponse* response) override {
     Record(*context);
-    v1::ModelConfig* model = response->add_models();
-    model->set_name("demo");
-    model->set_embed_dim(8);
-    model->set_num_heads(2);
+    *response->add_models() = DemoModel();
     return grpc::Status::OK;
   }
 
@@ -89,7 +100,43 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
       return grpc::Status(grpc::StatusCode::NOT_FOUND,
                           absl::StrCat("model \"", request->name(), "\" is not registered"));
     }
-    response->mutable_config()->set_name("demo");
+    *response->mutable_config() = DemoModel();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CloseSessions(grpc::ServerContext* context, const v1::CloseSessionsRequest* request,
+                             v1::CloseSessionsResponse* response) override {
+    Record(*context);
+    absl::MutexLock lock(&state_->mu);
+    for (const std::string& id : request->ids()) {
+      if (state_->sessions.erase(id) > 0) {
+        response->add_closed(id);
+        ++state_->closed_sessions;
+      } else {
+        response->add_not_found(id);
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetSession(grpc::ServerContext* context, const v1::GetSessionRequest* request,
+                          v1::SessionInfo* info) override {
+    Record(*context);
+    absl::MutexLock lock(&state_->mu);
+    auto it = state_->sessions.find(request->id());
+    if (it == state_->sessions.end()) return NotOpen(request->id());
+    const FakeSession& session = it->second;
+    info->set_id(request->id());
+    info->set_model(session.model);
+    info->set_position(session.position);
+    info->set_heads(session.heads);
+    info->set_kv_heads(session.kv_heads);
+    info->set_head_dim(session.head_dim);
+    info->set_value_dim(session.value_dim);
+    info->set_cache_dtype(session.cache_dtype);
+    const int64_t element_bytes = session.cache_dtype == v1::Tensor::BFLOAT16 ? 2 : 4;
+    info->set_bytes(session.position * session.kv_heads * (session.head_dim + session.value_dim) *
+                    element_bytes);
     return grpc::Status::OK;
   }
 
@@ -99,25 +146,36 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     state_->authorization = Authorization(context);
   }
 
-  // Counts an Attend call or stream message, and waits out a stall. True
-  // for the call HangCall chose.
-  bool CountAndStall(const grpc::ServerContext& context) {
+  // What HangCall and FailCall chose for a call.
+  struct Fate {
+    bool hang = false;
+    grpc::Status failure;
+  };
+
+  // Counts an Attend call or stream message, drops the sessions at the call
+  // DropSessionsAtCall chose, and waits out a stall.
+  Fate CountAndStall(const grpc::ServerContext& context) {
     absl::Time until;
-    bool hang;
+    Fate fate;
     {
       absl::MutexLock lock(&state_->mu);
       state_->peers.insert(context.peer());
       if (++state_->attend_calls == state_->stall_call) {
         state_->stalled_until = absl::Now() + state_->stall;
       }
-      hang = state_->attend_calls == state_->hang_call;
+      fate.hang = state_->attend_calls == state_->hang_call;
+      if (state_->attend_calls == state_->fail_call) {
+        fate.failure = grpc::Status(state_->fail_code,
+                                    absl::StrCat("injected failure of call ", state_->fail_call));
+      }
+      if (state_->attend_calls == state_->drop_call) state_->sessions.clear();
       until = state_->stalled_until;
     }
     absl::SleepFor(until - absl::Now());
-    return hang;
+    return fate;
   }
 
-  static grpc::Status Answer(const v1::AttendRequest& request, v1::AttendResponse* response) {
+  grpc::Status Answer(const v1::AttendRequest& request, v1::AttendResponse* response) {
     if (request.id() == "fail") {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "mask.valid_lens: shape [3] does not match batch size 2");
@@ -135,6 +193,10 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("output_dtype: ", output.status().message()));
     }
+    if (request.has_session()) {
+      const grpc::Status applied = ApplySession(request, response);
+      if (!applied.ok()) return applied;
+    }
     response->set_id(request.id());
     *response->mutable_output() = *std::move(output);
     if (request.need_weights()) {
@@ -143,6 +205,102 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     response->set_queue_us(3);
     response->set_compute_us(7);
     response->set_batch_size(1);
+    return grpc::Status::OK;
+  }
+
+  static grpc::Status Invalid(absl::string_view message) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(message));
+  }
+  static grpc::Status NotOpen(const std::string& id) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("session ", id, " is not open"));
+  }
+
+  // A new session's head shape, as the real server takes it from the request
+  // (the "demo" model of ListModels: 2 heads of 4).
+  static FakeSession NewSession(const v1::AttendRequest& request, const v1::Tensor& keys) {
+    const v1::Tensor& values = request.has_value() ? request.value() : keys;
+    FakeSession session;
+    session.model = request.model();
+    session.cache_dtype = request.session().cache_dtype();
+    if (!request.model().empty()) {
+      session.heads = session.kv_heads = 2;
+      session.head_dim = session.value_dim = 4;
+    } else if (keys.shape_size() == 4) {
+      session.heads = static_cast<int32_t>(request.query().shape(1));
+      session.kv_heads = static_cast<int32_t>(keys.shape(1));
+      session.head_dim = static_cast<int32_t>(keys.shape(3));
+      session.value_dim = static_cast<int32_t>(values.shape(3));
+    } else {
+      session.heads = session.kv_heads = std::max(1, request.num_heads());
+      session.head_dim = static_cast<int32_t>(keys.shape(2)) / session.heads;
+      session.value_dim = static_cast<int32_t>(values.shape(2)) / session.heads;
+    }
+    return session;
+  }
+
+  // Checks the request's session spec against the open sessions and applies
+  // it when all of it holds; an error changes nothing.
+  grpc::Status ApplySession(const v1::AttendRequest& request, v1::AttendResponse* response) {
+    const v1::SessionSpec& spec = request.session();
+    const v1::Tensor& query = request.query();
+    if (spec.ids().empty()) return Invalid("session.ids is empty");
+    if (spec.positions_size() != spec.ids_size()) {
+      return Invalid(absl::StrCat("session: ", spec.ids_size(), " ids but ", spec.positions_size(),
+                                  " positions"));
+    }
+    if (query.shape_size() != 3 && query.shape_size() != 4) {
+      return Invalid("session: query must be rank 3 or 4");
+    }
+    const bool sequence_first =
+        query.shape_size() == 3 && request.layout() == v1::AttendRequest::SEQUENCE_FIRST;
+    const int64_t batch = query.shape(sequence_first ? 1 : 0);
+    if (batch != spec.ids_size()) {
+      return Invalid(absl::StrCat("session: ", spec.ids_size(), " ids for a batch of ", batch));
+    }
+    if (spec.read_only() && (request.has_key() || request.has_value())) {
+      return Invalid("session.read_only: key and value must be absent");
+    }
+    const v1::Tensor& keys = request.has_key() ? request.key() : query;
+    if (keys.shape_size() != query.shape_size()) return Invalid("session: key rank");
+    const int axis = query.shape_size() == 4 ? 2 : (sequence_first ? 0 : 1);
+    const int64_t rows = spec.read_only() ? 0 : keys.shape(axis);
+    std::vector<float> key_values;
+    if (batch == 1 && rows > 0) {
+      absl::StatusOr<std::vector<float>> read = client::ReadFloats(keys);
+      if (!read.ok()) return Invalid(absl::StrCat("key: ", read.status().message()));
+      key_values = *std::move(read);
+    }
+
+    absl::MutexLock lock(&state_->mu);
+    std::map<std::string, FakeSession>& sessions = state_->sessions;
+    for (int i = 0; i < spec.ids_size(); ++i) {
+      const std::string& id = spec.ids(i);
+      auto it = sessions.find(id);
+      if (spec.create()) {
+        if (it != sessions.end()) {
+          return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                              absl::StrCat("session ", id, " already exists"));
+        }
+        if (spec.positions(i) != 0) return Invalid("session.create: positions must be 0");
+      } else if (it == sessions.end()) {
+        return NotOpen(id);
+      } else if (it->second.position != spec.positions(i)) {
+        return grpc::Status(grpc::StatusCode::ABORTED,
+                            absl::StrCat("session ", id, ": position ", spec.positions(i),
+                                         " was expected, the session holds ", it->second.position));
+      }
+    }
+    for (const std::string& id : spec.ids()) {
+      if (spec.create()) sessions[id] = NewSession(request, keys);
+      FakeSession& session = sessions[id];
+      session.position += rows;
+      session.keys.insert(session.keys.end(), key_values.begin(), key_values.end());
+      response->add_session_positions(session.position);
+    }
+    if (spec.close()) {
+      for (const std::string& id : spec.ids()) sessions.erase(id);
+      state_->closed_sessions += spec.ids_size();
+    }
     return grpc::Status::OK;
   }
 
@@ -223,6 +381,38 @@ size_t FakeAttentionServer::distinct_peers() const {
 void FakeAttentionServer::HangCall(int64_t call) {
   absl::MutexLock lock(&state_.mu);
   state_.hang_call = call;
+}
+
+int64_t FakeAttentionServer::open_sessions() const {
+  absl::MutexLock lock(&state_.mu);
+  return static_cast<int64_t>(state_.sessions.size());
+}
+
+int64_t FakeAttentionServer::closed_sessions() const {
+  absl::MutexLock lock(&state_.mu);
+  return state_.closed_sessions;
+}
+
+std::vector<float> FakeAttentionServer::session_keys(const std::string& id) const {
+  absl::MutexLock lock(&state_.mu);
+  auto it = state_.sessions.find(id);
+  return it == state_.sessions.end() ? std::vector<float>() : it->second.keys;
+}
+
+void FakeAttentionServer::DropSessions() {
+  absl::MutexLock lock(&state_.mu);
+  state_.sessions.clear();
+}
+
+void FakeAttentionServer::DropSessionsAtCall(int64_t call) {
+  absl::MutexLock lock(&state_.mu);
+  state_.drop_call = call;
+}
+
+void FakeAttentionServer::FailCall(int64_t call, grpc::StatusCode code) {
+  absl::MutexLock lock(&state_.mu);
+  state_.fail_call = call;
+  state_.fail_code = code;
 }
 
 void FakeAttentionServer::StallCall(int64_t call, absl::Duration stall) {

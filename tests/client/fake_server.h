@@ -5,9 +5,11 @@
 // tests need neither the engine nor a fixed port.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -15,6 +17,7 @@
 #include "attention/v1/service.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/server.h"
+#include "grpcpp/support/status.h"
 
 namespace attention::testing {
 
@@ -24,8 +27,19 @@ namespace attention::testing {
 //   other:   output = the query's elements re-encoded as output_dtype, shape
 //            kept; with need_weights, weights = [1, 1] holding 0.5 as FLOAT16;
 //            queue_us 3, compute_us 7, batch_size 1.
+// A request with a session (AttendRequest.session) is checked and applied to
+// an in-memory model of the server's sessions first: ids and positions one
+// per batch row; create (positions 0) ALREADY_EXISTS for an open id; other
+// requests NOT_FOUND for an id not open and ABORTED on a position mismatch;
+// read_only with key or value INVALID_ARGUMENT. Any error changes no session.
+// Each session then gets the key rows (the query's without a key) along the
+// sequence dim, keeps a batch-1 request's key elements, and the answer carries
+// session_positions; close closes them after answering. CloseSessions and
+// GetSession answer from the same model (GetSession's bytes: position x
+// kv_heads x (head_dim + value_dim) x the cache dtype's size).
 // AttendStream answers each message as Attend would, with its id and status
 // (a "fail" message gets status code 3; "hang" is not special there).
+// ListModels and GetModel know one model, "demo": embed_dim 8, 2 heads.
 // Health answers the status set with set_health(); service "missing" gets
 // NOT_FOUND. Thread-safe.
 class FakeAttentionServer {
@@ -56,10 +70,36 @@ class FakeAttentionServer {
   void StallCall(int64_t call, absl::Duration stall);
   // The call-th of them (1-based) hangs as a "hang" call does.
   void HangCall(int64_t call);
+  // The call-th of them (1-based) fails with `code` and the message
+  // "injected failure of call N", changing nothing.
+  void FailCall(int64_t call, grpc::StatusCode code);
+
+  // Sessions open now.
+  int64_t open_sessions() const;
+  // Sessions closed by CloseSessions or a request's close.
+  int64_t closed_sessions() const;
+  // The elements of every key row session `id` was given by batch-1
+  // requests, in order; empty when it is not open.
+  std::vector<float> session_keys(const std::string& id) const;
+  // Forgets every open session, as a server restart or eviction would; with
+  // DropSessionsAtCall, just before the call-th Attend call (1-based) is
+  // handled.
+  void DropSessions();
+  void DropSessionsAtCall(int64_t call);
 
  private:
   class AttentionImpl;
   class HealthImpl;
+  struct FakeSession {
+    std::string model;
+    int32_t heads = 0;
+    int32_t kv_heads = 0;
+    int32_t head_dim = 0;
+    int32_t value_dim = 0;
+    v1::Tensor::DType cache_dtype = v1::Tensor::FLOAT32;
+    int64_t position = 0;
+    std::vector<float> keys;
+  };
   struct State {
     mutable absl::Mutex mu;
     grpc::health::v1::HealthCheckResponse::ServingStatus health ABSL_GUARDED_BY(mu) =
@@ -70,8 +110,13 @@ class FakeAttentionServer {
     std::set<std::string> peers ABSL_GUARDED_BY(mu);
     int64_t stall_call ABSL_GUARDED_BY(mu) = 0;
     int64_t hang_call ABSL_GUARDED_BY(mu) = 0;
+    int64_t fail_call ABSL_GUARDED_BY(mu) = 0;
+    grpc::StatusCode fail_code ABSL_GUARDED_BY(mu) = grpc::StatusCode::OK;
     absl::Duration stall ABSL_GUARDED_BY(mu);
     absl::Time stalled_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+    std::map<std::string, FakeSession> sessions ABSL_GUARDED_BY(mu);
+    int64_t closed_sessions ABSL_GUARDED_BY(mu) = 0;
+    int64_t drop_call ABSL_GUARDED_BY(mu) = 0;
   };
 
   State state_;

@@ -1,0 +1,249 @@
+#include "client/session.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "client/tensors.h"
+#include "common/shape_string.h"
+#include "common/status_macros.h"
+
+namespace attention::client {
+namespace {
+
+// The server's limit on a session id.
+constexpr size_t kMaxIdBytes = 128;
+
+// The dim of `rows` that counts rows: rank 3 [B, S, E] (SEQUENCE_FIRST
+// [S, B, E]) or rank 4 [B, H, S, D].
+absl::StatusOr<int> SequenceAxis(const v1::AttendRequest& request, absl::string_view name,
+                                 const v1::Tensor& rows) {
+  if (rows.shape_size() == 3) return request.layout() == v1::AttendRequest::SEQUENCE_FIRST ? 0 : 1;
+  if (rows.shape_size() == 4) return 2;
+  return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeString(rows.shape()),
+                                                 " is not rank 3 or 4, as a session's rows are"));
+}
+
+// The elements of a float tensor as the little-endian bytes of its dtype,
+// from `data` or `float_data`.
+absl::StatusOr<std::string> ElementBytes(absl::string_view name, const v1::Tensor& tensor) {
+  const std::vector<int64_t> shape(tensor.shape().begin(), tensor.shape().end());
+  absl::StatusOr<std::vector<float>> values = ReadFloats(tensor);
+  if (!values.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", values.status().message()));
+  }
+  if (!tensor.data().empty()) return tensor.data();
+  ATTN_ASSIGN_OR_RETURN(v1::Tensor encoded, MakeFloatTensor(shape, *values, tensor.dtype()));
+  return std::move(*encoded.mutable_data());
+}
+
+// The keys (or values) the self-attention rule makes of an absent one.
+const v1::Tensor& Keys(const v1::AttendRequest& request) {
+  return request.has_key() ? request.key() : request.query();
+}
+const v1::Tensor& Values(const v1::AttendRequest& request) {
+  return request.has_value() ? request.value() : Keys(request);
+}
+
+}  // namespace
+
+// The bytes of each index of the dims before the sequence axis are kept in a
+// string of their own, so a step appends its rows to each and nothing kept
+// is copied until a recreation puts it all in one tensor.
+class Session::RowLog {
+ public:
+  explicit RowLog(std::string name) : name_(std::move(name)) {}
+
+  // OK when `rows`, with its sequence at `axis`, can follow the rows kept: a
+  // float tensor whose dtype, rank and other dims are theirs.
+  absl::Status Check(const v1::Tensor& rows, int axis) const {
+    if (!dims_.has_value()) return absl::OkStatus();
+    bool same = rows.dtype() == dtype_ && axis == axis_ &&
+                rows.shape_size() == static_cast<int>(dims_->size());
+    for (int d = 0; same && d < rows.shape_size(); ++d) {
+      same = d == axis || rows.shape(d) == (*dims_)[d];
+    }
+    if (same) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        name_, ": ", v1::Tensor::DType_Name(rows.dtype()), " ", ShapeString(rows.shape()),
+        " cannot follow the session's kept ", v1::Tensor::DType_Name(dtype_), " rows ",
+        ShapeString(*dims_), " (keep_rows needs one dtype, and one shape but for the rows)"));
+  }
+
+  absl::Status Append(const v1::Tensor& rows, int axis) {
+    ATTN_RETURN_IF_ERROR(Check(rows, axis));
+    ATTN_ASSIGN_OR_RETURN(const std::string bytes, ElementBytes(name_, rows));
+    if (!dims_.has_value()) {
+      dims_.emplace(rows.shape().begin(), rows.shape().end());
+      (*dims_)[axis] = 0;
+      dtype_ = rows.dtype();
+      axis_ = axis;
+      chunks_.resize(Outer());
+    }
+    const size_t chunk = chunks_.empty() ? 0 : bytes.size() / chunks_.size();
+    for (size_t i = 0; i < chunks_.size(); ++i) chunks_[i].append(bytes, i * chunk, chunk);
+    (*dims_)[axis] += rows.shape(axis);
+    return absl::OkStatus();
+  }
+
+  // A tensor of every kept row followed by those of `rows`.
+  absl::StatusOr<v1::Tensor> With(const v1::Tensor& rows, int axis) const {
+    if (!dims_.has_value() || chunks_.empty()) return rows;
+    ATTN_RETURN_IF_ERROR(Check(rows, axis));
+    ATTN_ASSIGN_OR_RETURN(const std::string bytes, ElementBytes(name_, rows));
+    const size_t chunk = bytes.size() / chunks_.size();
+    v1::Tensor all;
+    all.set_dtype(dtype_);
+    all.mutable_shape()->Assign(dims_->begin(), dims_->end());
+    all.set_shape(axis_, (*dims_)[axis_] + rows.shape(axis));
+    std::string* data = all.mutable_data();
+    data->reserve(static_cast<size_t>(this->bytes()) + bytes.size());
+    for (size_t i = 0; i < chunks_.size(); ++i) {
+      data->append(chunks_[i]);
+      data->append(bytes, i * chunk, chunk);
+    }
+    return all;
+  }
+
+  int64_t bytes() const {
+    int64_t total = 0;
+    for (const std::string& chunk : chunks_) total += static_cast<int64_t>(chunk.size());
+    return total;
+  }
+
+ private:
+  // Product of the dims before the sequence axis.
+  size_t Outer() const {
+    size_t outer = 1;
+    for (int d = 0; d < axis_; ++d) outer *= static_cast<size_t>((*dims_)[d]);
+    return outer;
+  }
+
+  const std::string name_;
+  // Of everything kept, the rows at axis_; unset until the first append.
+  std::optional<std::vector<int64_t>> dims_;
+  v1::Tensor::DType dtype_ = v1::Tensor::FLOAT32;
+  int axis_ = 0;
+  std::vector<std::string> chunks_;
+};
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(AttentionClient* client,
+                                                         SessionOptions options) {
+  if (client == nullptr) return absl::InvalidArgumentError("session: client is null");
+  if (options.id.empty() || options.id.size() > kMaxIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("session id \"", options.id, "\" has ",
+                                                   options.id.size(), " bytes; want 1 to ",
+                                                   kMaxIdBytes));
+  }
+  const v1::AttendRequest& request = options.request;
+  if (request.has_query() || request.has_key() || request.has_value() || request.has_session()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session ", options.id,
+        ": options.request must leave query, key, value and session unset; Step sets them"));
+  }
+  if (options.cache_dtype != v1::Tensor::FLOAT32 && options.cache_dtype != v1::Tensor::BFLOAT16) {
+    return absl::InvalidArgumentError(absl::StrCat("session ", options.id, ": cache_dtype ",
+                                                   v1::Tensor::DType_Name(options.cache_dtype),
+                                                   " is not FLOAT32 or BFLOAT16"));
+  }
+  return std::unique_ptr<Session>(new Session(client, std::move(options)));
+}
+
+Session::Session(AttentionClient* client, SessionOptions options)
+    : client_(client), options_(std::move(options)) {
+  if (options_.keep_rows) {
+    keys_ = std::make_unique<RowLog>("key");
+    values_ = std::make_unique<RowLog>("value");
+  }
+}
+
+Session::~Session() = default;
+
+int64_t Session::kept_bytes() const {
+  return keys_ == nullptr ? 0 : keys_->bytes() + values_->bytes();
+}
+
+absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional<v1::Tensor> key,
+                                                 std::optional<v1::Tensor> value) {
+  if (closed_) {
+    return absl::FailedPreconditionError(absl::StrCat("session ", id(), " is closed"));
+  }
+  v1::AttendRequest request = options_.request;
+  *request.mutable_query() = std::move(query);
+  if (key.has_value()) *request.mutable_key() = *std::move(key);
+  if (value.has_value()) *request.mutable_value() = *std::move(value);
+  v1::SessionSpec* spec = request.mutable_session();
+  spec->add_ids(id());
+  spec->add_positions(position_);
+  if (!created_) {
+    spec->set_create(true);
+    spec->set_cache_dtype(options_.cache_dtype);
+  }
+  if (keys_ != nullptr) {
+    ATTN_ASSIGN_OR_RETURN(const int key_axis, SequenceAxis(request, "key", Keys(request)));
+    ATTN_ASSIGN_OR_RETURN(const int value_axis, SequenceAxis(request, "value", Values(request)));
+    ATTN_RETURN_IF_ERROR(keys_->Check(Keys(request), key_axis));
+    ATTN_RETURN_IF_ERROR(values_->Check(Values(request), value_axis));
+  }
+  absl::StatusOr<v1::AttendResponse> answer = client_->Attend(request);
+  if (answer.ok()) {
+    Advance(request, position_, *answer);
+    return answer;
+  }
+  if (answer.status().code() != absl::StatusCode::kNotFound || !created_ || keys_ == nullptr) {
+    return answer.status();
+  }
+  return Recreate(request);
+}
+
+absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& step) {
+  v1::AttendRequest request = step;
+  v1::SessionSpec* spec = request.mutable_session();
+  spec->set_positions(0, 0);
+  spec->set_create(true);
+  spec->set_cache_dtype(options_.cache_dtype);
+  ATTN_ASSIGN_OR_RETURN(const int key_axis, SequenceAxis(step, "key", Keys(step)));
+  ATTN_ASSIGN_OR_RETURN(const int value_axis, SequenceAxis(step, "value", Values(step)));
+  ATTN_ASSIGN_OR_RETURN(v1::Tensor keys, keys_->With(Keys(step), key_axis));
+  ATTN_ASSIGN_OR_RETURN(v1::Tensor values, values_->With(Values(step), value_axis));
+  *request.mutable_key() = std::move(keys);
+  *request.mutable_value() = std::move(values);
+  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, client_->Attend(request));
+  ++recreations_;
+  Advance(step, /*base=*/request.key().shape(key_axis) - Keys(step).shape(key_axis), answer);
+  return answer;
+}
+
+void Session::Advance(const v1::AttendRequest& step, int64_t base,
+                      const v1::AttendResponse& answer) {
+  created_ = true;
+  const absl::StatusOr<int> axis = SequenceAxis(step, "key", Keys(step));
+  if (answer.session_positions_size() == 1) {
+    position_ = answer.session_positions(0);
+  } else if (axis.ok()) {
+    position_ = base + Keys(step).shape(*axis);
+  }
+  if (keys_ == nullptr) return;
+  // Step checked both before sending, so these cannot fail.
+  keys_->Append(Keys(step), *axis).IgnoreError();
+  values_->Append(Values(step), *SequenceAxis(step, "value", Values(step))).IgnoreError();
+}
+
+absl::Status Session::Close() {
+  if (closed_) return absl::OkStatus();
+  if (created_) {
+    absl::StatusOr<v1::CloseSessionsResponse> closed = client_->CloseSessions({id()});
+    if (!closed.ok()) return closed.status();
+  }
+  closed_ = true;
+  return absl::OkStatus();
+}
+
+}  // namespace attention::client

@@ -1,0 +1,116 @@
+#ifndef ATTENTION_CLIENT_SESSION_H_
+#define ATTENTION_CLIENT_SESSION_H_
+
+// One session for a decoder: keys and values kept on the server between
+// requests (AttendRequest.session), so each step sends only its new rows.
+// Session fills in the id and positions, and can keep the rows it sent to
+// recreate a session the server lost. docs/client.md#sessions.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attention/v1/attention.pb.h"
+#include "client/attention_client.h"
+
+namespace attention::client {
+
+struct SessionOptions {
+  // The session's id: not empty, at most 128 bytes, and no other open session
+  // on the server may have it.
+  std::string id;
+  // What every request of the session carries besides its rows: model (or
+  // num_heads and score), mask.causal (BOTTOM_RIGHT is a decoder's mask),
+  // layout, output_dtype, precision, need_weights, ... Its query, key, value
+  // and session must be unset.
+  v1::AttendRequest request;
+  // How the server stores the cached rows, fixed when it creates the session:
+  // FLOAT32 or BFLOAT16.
+  v1::Tensor::DType cache_dtype = v1::Tensor::FLOAT32;
+  // Keep a copy of every key and value row sent, so that a session the server
+  // no longer has (NOT_FOUND: expired, evicted, its replica restarted) is
+  // recreated from them. Costs the rows' bytes in this process.
+  bool keep_rows = false;
+};
+
+// A session as its client sees it: the id, the rows the server holds
+// (position), and with keep_rows every key and value row sent. The first Step
+// creates the session on the server; its rows are the prefill. Errors are
+// absl::Status with the server's code and message. Thread-compatible: one
+// Session per decoder, any number of them on one AttentionClient.
+class Session {
+ public:
+  // INVALID_ARGUMENT for a null client, an empty id or one over 128 bytes, a
+  // request that sets query, key, value or session, or a cache_dtype other
+  // than FLOAT32 and BFLOAT16. Contacts no server. `client` must outlive the
+  // session.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(AttentionClient* client,
+                                                         SessionOptions options);
+
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // Sends `query` and appends `key` and `value` to the session (absent: key =
+  // query and value = key, the self-attention rule), with ids {id()} and
+  // positions {position()}, and create on the first step. Shapes as for
+  // Attend with a batch of 1: rank 3 [1, S_new, E] ([S_new, 1, E] with
+  // SEQUENCE_FIRST) or rank 4 [1, H, S_new, D]. Returns the answer, which
+  // attends over every row the session holds, and sets position() to its
+  // session_positions (an answer without them: position() + the rows sent).
+  // A failed step changes nothing here (nor, by the contract, on the
+  // server). With keep_rows, rows whose dtype or other dims differ from
+  // those kept are INVALID_ARGUMENT, unsent; a NOT_FOUND answer to a step
+  // after the first is retried once as a recreation: one request with create
+  // whose key and value are every kept row and then this step's, and whose
+  // query is this step's, so its answer is this step's answer
+  // (recreations() counts them). FAILED_PRECONDITION after Close.
+  absl::StatusOr<v1::AttendResponse> Step(v1::Tensor query,
+                                          std::optional<v1::Tensor> key = std::nullopt,
+                                          std::optional<v1::Tensor> value = std::nullopt);
+
+  // Closes the session on the server (CloseSessions). OK also when the
+  // server no longer had it; a session no step created sends nothing. Later
+  // steps are FAILED_PRECONDITION. Dropping a Session does not close it: the
+  // server keeps it until it expires or is evicted.
+  absl::Status Close();
+
+  const std::string& id() const { return options_.id; }
+  // Rows the server holds after the last answered step: the next position.
+  int64_t position() const { return position_; }
+  // A step created the session and Close has not been called.
+  bool open() const { return created_ && !closed_; }
+  // Steps answered by recreating the session.
+  int64_t recreations() const { return recreations_; }
+  // Bytes of the kept key and value rows (0 without keep_rows).
+  int64_t kept_bytes() const;
+
+ private:
+  // The rows of one input (keys or values) sent so far, in order.
+  class RowLog;
+
+  Session(AttentionClient* client, SessionOptions options);
+
+  // After an OK answer to `step` sent at position `base` (0 for a create):
+  // the new position, and with keep_rows the step's rows.
+  void Advance(const v1::AttendRequest& step, int64_t base, const v1::AttendResponse& answer);
+  // `step` (which the server answered NOT_FOUND) as a create over the kept rows.
+  absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step);
+
+  AttentionClient* client_;
+  SessionOptions options_;
+  int64_t position_ = 0;
+  bool created_ = false;
+  bool closed_ = false;
+  int64_t recreations_ = 0;
+  std::unique_ptr<RowLog> keys_;
+  std::unique_ptr<RowLog> values_;
+};
+
+}  // namespace attention::client
+
+#endif  // ATTENTION_CLIENT_SESSION_H_
