@@ -104,6 +104,35 @@ TEST_F(LoadtestServerTest, DemoModelAnswersPassVerify) {
   }
 }
 
+// Decoders with sessions against the real server: the demo model and raw
+// attention with a BFLOAT16 cache; the bytes a step reads, by the loadtest's
+// count, match the session's own in GetSession.
+TEST_F(LoadtestServerTest, SessionDecodersPrefillStepAndClose) {
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    SCOPED_TRACE(dtype);
+    LoadtestConfig config;
+    config.targets = {server_->server().address()};
+    config.shape.model = "demo";
+    config.sessions = 2;
+    config.prefill = 16;
+    config.steps = 8;
+    config.session_dtype = dtype;
+    config.json_file = MakeTempDir("sessions") + "/out.json";
+    const Outcome outcome = RunConfig(config);
+    ASSERT_EQ(outcome.exit_code, kExitOk) << outcome.err << outcome.out;
+    const nlohmann::json json = ReadJson(config.json_file);
+    EXPECT_TRUE(json["errors"].empty()) << json["errors"];
+    const nlohmann::json& sessions = json["sessions"];
+    EXPECT_EQ(sessions["opened"], 2);
+    EXPECT_EQ(sessions["closed"], 2);
+    EXPECT_EQ(sessions["steps"], 16);
+    EXPECT_EQ(sessions["recreations"], 0);
+    // The demo model: 4 heads of 16 keys and 16 values.
+    EXPECT_EQ(sessions["cache_row_bytes"],
+              4 * (16 + 16) * (std::string(dtype) == "float32" ? 4 : 2));
+  }
+}
+
 TEST_F(LoadtestServerTest, RawStreamWithWeightsAndMasksPassesVerify) {
   LoadtestConfig config = Config();
   config.stream = true;

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/session.h"
 #include "client/tensors.h"
 #include "gmock/gmock.h"
 #include "grpcpp/channel.h"
@@ -338,6 +339,44 @@ TEST_F(SessionServiceTest, ConcurrentStepsOnOneSessionApplyOneAtATime) {
   ASSERT_THAT(info, IsOk());
   EXPECT_EQ(info->position(), 4 + kThreads * kSteps);
   Close({"shared"});
+}
+
+// The client library's Session keeps the rows it sent: a session the server
+// lost (closed behind its back here) is recreated from them, and the step's
+// answer is the same as if nothing had happened.
+TEST_F(SessionServiceTest, ClientSessionRecreatesALostSession) {
+  client::SessionOptions options;
+  options.id = "kept";
+  options.request.set_num_heads(2);
+  options.request.mutable_mask()->set_causal(v1::Mask::BOTTOM_RIGHT);
+  options.keep_rows = true;
+  absl::StatusOr<std::unique_ptr<client::Session>> session =
+      client::Session::Create(&client(), options);
+  ASSERT_THAT(session, IsOk());
+  Rows keys{16, {}};
+  uint32_t seed = 80;
+  for (int64_t rows : {9, 1, 1, 1}) {
+    if (rows == 1 && keys.length() == 11) {
+      EXPECT_THAT(Close({"kept"}).closed(), ElementsAre("kept"));  // lost
+    }
+    const std::vector<float> x = RandomValues(rows * 16, seed++);
+    absl::StatusOr<v1::AttendResponse> got = (*session)->Step(Floats({1, rows, 16}, x));
+    ASSERT_THAT(got, IsOk());
+    keys.values.insert(keys.values.end(), x.begin(), x.end());
+    EXPECT_EQ((*session)->position(), keys.length());
+    v1::AttendRequest whole = options.request;
+    *whole.mutable_query() = Floats({1, rows, 16}, x);
+    *whole.mutable_key() = keys.Tensor();
+    absl::StatusOr<v1::AttendResponse> want = client().Attend(whole);
+    ASSERT_THAT(want, IsOk());
+    ExpectNear(Output(*got), Output(*want), 1e-5f);
+  }
+  EXPECT_EQ((*session)->recreations(), 1);
+  absl::StatusOr<v1::SessionInfo> info = Info("kept");
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->position(), 12);
+  EXPECT_THAT((*session)->Close(), IsOk());
+  EXPECT_THAT(Info("kept"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"kept\"")));
 }
 
 TEST_F(SessionServiceTest, StreamsCarrySessions) {
