@@ -286,7 +286,8 @@ std::vector<int64_t> SessionStore::Finish(const SessionRequest& request, bool ok
         continue;
       }
       s.created_by_holder = false;
-      if (request.close) RemoveLocked(id, "closed");
+      // A failed request leaves its sessions open, close or not.
+      if (ok && request.close) RemoveLocked(id, "closed");
     }
     if (metrics_ != nullptr && ok) metrics_->AddSessionRows(rows);
     PublishLocked();

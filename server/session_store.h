@@ -92,8 +92,8 @@ class SessionStore {
   // changed.
   absl::StatusOr<std::vector<KvCache*>> Begin(SessionRequest& request, const SessionKind& kind);
   // Commits (ok) or drops the request's rows in every session, removes the
-  // sessions it created if it failed, closes them if it asked, and releases
-  // its ids. Returns each session's position after it.
+  // sessions it created if it failed, closes them if it asked and succeeded,
+  // and releases its ids. Returns each session's position after it.
   std::vector<int64_t> Finish(const SessionRequest& request, bool ok);
 
   // CloseSessions: closes the open ones among `ids` once no request holds

@@ -297,6 +297,13 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
   bad_create.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
   EXPECT_THAT(client().Attend(bad_create), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("TOP_LEFT")));
   EXPECT_THAT(Info("never"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"never\"")));
+  // A failed request asking to close leaves the session open.
+  v1::AttendRequest failed_close = Step("errors", 5, one);
+  failed_close.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
+  failed_close.mutable_session()->set_close(true);
+  EXPECT_THAT(client().Attend(failed_close), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                      HasSubstr("TOP_LEFT")));
+  ASSERT_THAT(Info("errors"), IsOk());
   // close: answered, then gone.
   v1::AttendRequest last = Step("errors", 5, one);
   last.mutable_session()->set_close(true);
