@@ -133,13 +133,33 @@ std::vector<SessionStore::Start> SessionStore::ReleaseLocked(
   return ready;
 }
 
+void SessionStore::RunReady(std::vector<Start> ready) {
+  // A started request that fails at once ends, and starts the next waiter,
+  // inside its own start: run them one after another from the outermost
+  // call instead, so that a long line of waiters cannot nest that deep.
+  thread_local std::deque<Start>* running = nullptr;
+  if (running != nullptr) {
+    for (Start& start : ready) running->push_back(std::move(start));
+    return;
+  }
+  std::deque<Start> queue(std::make_move_iterator(ready.begin()),
+                          std::make_move_iterator(ready.end()));
+  running = &queue;
+  while (!queue.empty()) {
+    Start start = std::move(queue.front());
+    queue.pop_front();
+    start(true);
+  }
+  running = nullptr;
+}
+
 void SessionStore::Release(const std::vector<std::string>& ids) {
   std::vector<Start> ready;
   {
     absl::MutexLock lock(&mu_);
     ready = ReleaseLocked(ids);
   }
-  for (auto& start : ready) start(true);
+  RunReady(std::move(ready));
 }
 
 void SessionStore::RemoveLocked(const std::string& id, const char* reason) {
@@ -293,7 +313,7 @@ std::vector<int64_t> SessionStore::Finish(const SessionRequest& request, bool ok
     PublishLocked();
     ready = ReleaseLocked(request.ids);
   }
-  for (auto& start : ready) start(true);
+  RunReady(std::move(ready));
   return positions;
 }
 
@@ -321,7 +341,7 @@ void SessionStore::Close(
       ready = ReleaseLocked(*shared);
     }
     done(std::move(closed), std::move(not_found));
-    for (auto& start : ready) start(true);
+    RunReady(std::move(ready));
   });
 }
 

@@ -128,6 +128,8 @@ class SessionStore {
   // Releases ids and collects the waiters that can start now.
   std::vector<Start> ReleaseLocked(const std::vector<std::string>& ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts waiters freed by a release, on this thread, one after another.
+  static void RunReady(std::vector<Start> ready);
   // Removes idle sessions past the idle limit.
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveLocked(const std::string& id, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
