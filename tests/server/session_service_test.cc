@@ -412,7 +412,9 @@ TEST_F(SessionServiceTest, StreamsCarrySessions) {
 TEST(SessionLimitsTest, EvictionExpiryAndMemory) {
   ServerOptions options;
   options.session_memory_mb = 1;
-  options.session_idle_seconds = 2;
+  // Long enough that none expires while the first five are created, even
+  // on a slow, loaded machine.
+  options.session_idle_seconds = 5;
   absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start(options);
   ASSERT_THAT(server, IsOk());
   client::AttentionClient& c = (*server)->client();
@@ -443,7 +445,7 @@ TEST(SessionLimitsTest, EvictionExpiryAndMemory) {
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("all sessions may hold (--session_memory_mb)")));
   EXPECT_EQ(info("s4"), grpc::StatusCode::OK);  // a refused request evicts nothing it cannot use
-  absl::SleepFor(absl::Seconds(2.5));
+  absl::SleepFor(absl::Seconds(5.5));
   EXPECT_EQ(info("s4"), grpc::StatusCode::NOT_FOUND);  // expired
   // Its cache's bytes went with it.
   const std::string metrics = (*server)->server().metrics().RenderPrometheus();
