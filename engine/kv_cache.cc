@@ -66,7 +66,8 @@ const void* KvCache::ValueBlock(int64_t block, int64_t head) const {
 
 namespace {
 
-// Stores n elements at dst, `stride` elements apart.
+// Stores n elements at dst, `stride` elements apart (keys are stored
+// transposed, values row-major), and loads them back.
 void Store(const float* src, int64_t n, DType dtype, void* dst, int64_t stride) {
   if (dtype == DType::kFloat32) {
     float* out = static_cast<float*>(dst);
@@ -85,24 +86,6 @@ void Load(const void* src, int64_t n, DType dtype, int64_t stride, float* dst) {
   }
   const uint16_t* in = static_cast<const uint16_t*>(src);
   for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(in[i * stride]);
-}
-
-void StoreRow(const float* src, int64_t n, DType dtype, void* dst) {
-  if (dtype == DType::kFloat32) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-    return;
-  }
-  uint16_t* out = static_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = FloatToBFloat16(src[i]);
-}
-
-void LoadRow(const void* src, int64_t n, DType dtype, float* dst) {
-  if (dtype == DType::kFloat32) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-    return;
-  }
-  const uint16_t* in = static_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(in[i]);
 }
 
 }  // namespace
@@ -132,8 +115,8 @@ absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
       char* value = static_cast<char*>(const_cast<void*>(ValueBlock(block, h)));
       Store(k + r * k_row_stride + h * k_head_stride, key_dim_, dtype_,
             key + in_block * static_cast<int64_t>(es), kBlockRows);
-      StoreRow(v + r * v_row_stride + h * v_head_stride, value_dim_, dtype_,
-               value + in_block * value_dim_ * static_cast<int64_t>(es));
+      Store(v + r * v_row_stride + h * v_head_stride, value_dim_, dtype_,
+            value + in_block * value_dim_ * static_cast<int64_t>(es), 1);
     }
     ++pending_;
   }
@@ -158,8 +141,8 @@ void KvCache::ReadKey(int64_t row, int64_t head, float* out) const {
 
 void KvCache::ReadValue(int64_t row, int64_t head, float* out) const {
   const char* block = static_cast<const char*>(ValueBlock(row / kBlockRows, head));
-  LoadRow(block + (row % kBlockRows) * value_dim_ * static_cast<int64_t>(ElementSize()),
-          value_dim_, dtype_, out);
+  Load(block + (row % kBlockRows) * value_dim_ * static_cast<int64_t>(ElementSize()), value_dim_,
+       dtype_, 1, out);
 }
 
 }  // namespace attention
