@@ -41,19 +41,24 @@ TensorView ViewOf(const FloatBuffer& data, std::vector<int64_t> shape) {
 
 }  // namespace
 
-absl::StatusOr<LayerPlan> PlanLayer(const MultiheadAttention& layer, const AttentionArgs& args) {
-  const MultiheadConfig& c = layer.config();
-  const int64_t e = c.embed_dim;
-  const int64_t kdim = c.key_dim(), vdim = c.value_dim();
+absl::Status CheckLayerSettings(const MultiheadAttention& layer, const AttentionArgs& args) {
   if (args.num_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_heads: the model has ", c.num_heads, " heads; leave num_heads unset"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_heads: the model has ", layer.config().num_heads, " heads; leave num_heads unset"));
   }
   const ScoreSpec& s = args.score;
   if (s.kind != ScoreKind::kScaledDot || s.scale || s.bandwidth || s.w_q.present() ||
       s.w_k.present() || s.w_v.present() || s.w.present()) {
     return absl::InvalidArgumentError("score: the model sets the score; leave score unset");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LayerPlan> PlanLayer(const MultiheadAttention& layer, const AttentionArgs& args) {
+  const MultiheadConfig& c = layer.config();
+  const int64_t e = c.embed_dim;
+  const int64_t kdim = c.key_dim(), vdim = c.value_dim();
+  ATTN_RETURN_IF_ERROR(CheckLayerSettings(layer, args));
   if (!args.query.present()) return absl::InvalidArgumentError("query: is required");
   const TensorView& q = args.query;
   const TensorView& k = args.key.present() ? args.key : q;

@@ -34,6 +34,8 @@ struct LayerPlan {
   AttentionArgs inner;
 };
 
+// INVALID_ARGUMENT when args sets what the layer fixes: num_heads, the score.
+absl::Status CheckLayerSettings(const MultiheadAttention& layer, const AttentionArgs& args);
 // Checks args against the layer (INVALID_ARGUMENT naming the field) and plans
 // its forward.
 absl::StatusOr<LayerPlan> PlanLayer(const MultiheadAttention& layer, const AttentionArgs& args);

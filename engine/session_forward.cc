@@ -96,15 +96,7 @@ absl::Status PlanLayerCall(SessionPlan& p) {
     ATTN_ASSIGN_OR_RETURN(p.layer_plan, PlanLayer(*p.layer, a));
   } else {
     // PlanLayer's checks of the query; there are no keys or values.
-    if (a.num_heads != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("num_heads: the model has ", c.num_heads, " heads; leave num_heads unset"));
-    }
-    const ScoreSpec& s = a.score;
-    if (s.kind != ScoreKind::kScaledDot || s.scale || s.bandwidth || s.w_q.present() ||
-        s.w_k.present() || s.w_v.present() || s.w.present()) {
-      return absl::InvalidArgumentError("score: the model sets the score; leave score unset");
-    }
+    ATTN_RETURN_IF_ERROR(CheckLayerSettings(*p.layer, a));
     ATTN_RETURN_IF_ERROR(CheckView(a.query, "query", Allowed::kFloat, {3}));
     if (a.query.shape[2] != c.embed_dim) {
       return absl::InvalidArgumentError(absl::StrCat("query: last dim ", a.query.shape[2],
