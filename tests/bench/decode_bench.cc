@@ -5,6 +5,12 @@
 //     streaming a buffer far larger than the CPU's caches), per shape;
 //   - BFLOAT16 cache: steps per second against the FLOAT32 cache's;
 //   - prefill of P rows into a new session against the same stateless call.
+// Beside each decode figure: the share of the CPU's multiply-add peak (a
+// same-run probe of independent FMAs on every engine thread) the step used.
+// A one-row step does group x (key_dim + value_dim) multiply-adds per cached
+// key and head for (key_dim + value_dim) x element bytes read, so grouped
+// queries and BFLOAT16 raise the work per byte: where the memory target asks
+// for most of the peak, the kernel is bound by arithmetic, not memory.
 // Each figure is the median of several timed rounds. Prints a table and
 // "PASS" / "MISS" per target; with --enforce exits 1 on a miss. Timed, so
 // not a unit test: `bash deploy/bench.sh decode` runs it.
@@ -12,6 +18,10 @@
 //   decode_bench [--enforce] [--quick]   --quick: smaller shapes (a smoke run)
 
 #include <omp.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -90,6 +100,50 @@ double ReadBandwidth(size_t bytes, int threads) {
       },
       5, 0.3);
   return static_cast<double>(bytes) / seconds;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// 16-lane FMAs on 12 independent chains (more than latency x throughput).
+__attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
+  __m512 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+  const __m512 b = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(0.0001f);
+  for (int64_t k = 0; k < n; ++k) {
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
+    // Keeps the chains in registers and the loop from being folded.
+    asm volatile("" : "+v"(a[0]), "+v"(a[6]), "+v"(a[11]));
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, a[0]);
+  float sum = lanes[0];
+  for (int i = 1; i < 12; ++i) {
+    _mm512_store_ps(lanes, a[i]);
+    sum += lanes[0];
+  }
+  return sum;
+}
+#endif
+
+// Float multiply-adds per second on `threads` threads at once, or 0 where
+// the probe has no kernel (no AVX-512).
+double MultiplyAddPeak(int threads) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (!__builtin_cpu_supports("avx512f")) return 0;
+  constexpr int64_t kIterations = 4'000'000;
+  volatile float sink = 0;
+  const double seconds = TimePerCall(
+      [&] {
+        float total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+        total += FmaLoop(kIterations);
+        sink = sink + total;
+      },
+      5, 0.2);
+  return static_cast<double>(threads) * kIterations * 12 * 16 / seconds;
+#else
+  (void)threads;
+  return 0;
+#endif
 }
 
 std::vector<float> RandomFloats(size_t n, uint32_t seed) {
@@ -212,18 +266,32 @@ int Main(int argc, char** argv) {
   const double probe = ReadBandwidth(size_t{1} << 30, threads);
   std::printf("memory-read probe: %d threads streaming 1 GiB: %.2f GB/s\n\n", threads,
               probe / 1e9);
-  std::printf("%-24s %-9s %12s %12s %10s %8s\n", "decode (1 row/session)", "cache", "step us",
-              "GB/s read", "vs probe", "target");
+  const double peak = MultiplyAddPeak(threads);
+  if (peak > 0) {
+    std::printf("multiply-add probe: %d threads of independent 16-lane FMAs: %.1f G/s\n", threads,
+                peak / 1e9);
+  }
+  std::printf("\n%-24s %-9s %10s %10s %9s %10s %7s\n", "decode (1 row/session)", "cache",
+              "step us", "GB/s read", "vs probe", "FMA peak", "target");
+  // The share of the multiply-add peak a step used (blank without a probe).
+  auto peak_used = [&](const Shape& s, const DecodeFigures& f, double element) {
+    if (peak <= 0) return std::string();
+    const double per_byte = static_cast<double>(s.heads / s.kv_heads) / element;
+    char text[32];
+    std::snprintf(text, sizeof text, "%.2fx", f.bytes_per_step / f.step_seconds * per_byte / peak);
+    return std::string(text);
+  };
   for (const Shape& s : shapes) {
     const DecodeFigures f32 = Decode(*engine, s, DType::kFloat32);
     const double rate = f32.bytes_per_step / f32.step_seconds;
-    std::printf("%-24s %-9s %12.1f %12.2f %9.2fx %8s\n", s.name, "FLOAT32", f32.step_seconds * 1e6,
-                rate / 1e9, rate / probe, verdict(rate / probe >= kDecodeBandwidthRatio));
+    std::printf("%-24s %-9s %10.1f %10.2f %8.2fx %10s %7s\n", s.name, "FLOAT32",
+                f32.step_seconds * 1e6, rate / 1e9, rate / probe, peak_used(s, f32, 4).c_str(),
+                verdict(rate / probe >= kDecodeBandwidthRatio));
     const DecodeFigures bf16 = Decode(*engine, s, DType::kBFloat16);
     const double speed_up = f32.step_seconds / bf16.step_seconds;
-    std::printf("%-24s %-9s %12.1f %12.2f %9.2fx %8s  (steps/s vs FLOAT32: %.2fx)\n", s.name,
+    std::printf("%-24s %-9s %10.1f %10.2f %8.2fx %10s %7s  (steps/s vs FLOAT32: %.2fx)\n", s.name,
                 "BFLOAT16", bf16.step_seconds * 1e6, bf16.bytes_per_step / bf16.step_seconds / 1e9,
-                bf16.bytes_per_step / bf16.step_seconds / probe,
+                bf16.bytes_per_step / bf16.step_seconds / probe, peak_used(s, bf16, 2).c_str(),
                 verdict(speed_up >= kBFloat16SpeedUp), speed_up);
   }
   const int64_t prefill = quick ? 1024 : 4096;
