@@ -19,6 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/metadata.h"
 #include "common/status_macros.h"
 #include "grpc/grpc.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -118,16 +119,33 @@ void PrepareContext(const ClientOptions& options, grpc::ClientContext* context) 
   }
 }
 
-// Runs one unary call of `method` on `stub` with the options' deadline and token.
+// Runs one unary call of `method` on `stub` with the options' deadline and
+// token, sending `affinity` (when not empty) and reporting the replica.
 template <typename Response, typename Stub, typename Method, typename Request>
 absl::StatusOr<Response> Call(const ClientOptions& options, Stub& stub, Method method,
-                              const Request& request) {
+                              const Request& request, const CallOptions& call = {},
+                              const std::string& affinity = "") {
   grpc::ClientContext context;
   PrepareContext(options, &context);
+  if (!affinity.empty()) context.AddMetadata(kAffinityHeader, affinity);
   Response response;
   grpc::Status status = (stub.*method)(&context, request, &response);
+  if (call.replica != nullptr) {
+    call.replica->clear();
+    // Initial metadata has arrived once the call is over, unless it failed
+    // before any answer (then there is none).
+    const auto& metadata = context.GetServerInitialMetadata();
+    if (auto it = metadata.find(kReplicaHeader); it != metadata.end()) {
+      call.replica->assign(it->second.data(), it->second.size());
+    }
+  }
   if (!status.ok()) return ToAbslStatus(status);
   return response;
+}
+
+// `call.affinity`, or `fallback` when it is empty.
+const std::string& AffinityOf(const CallOptions& call, const std::string& fallback) {
+  return call.affinity.empty() ? fallback : call.affinity;
 }
 
 }  // namespace
@@ -183,8 +201,13 @@ AttentionClient::AttentionClient(const ClientOptions& options,
       channel_(std::move(channel)),
       stub_(v1::AttentionService::NewStub(channel_)) {}
 
-absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request) {
-  return Call<v1::AttendResponse>(options_, *stub_, &v1::AttentionService::Stub::Attend, request);
+absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request,
+                                                           const CallOptions& call) {
+  static const std::string kNone;
+  const std::string& first =
+      request.session().ids().empty() ? kNone : request.session().ids(0);
+  return Call<v1::AttendResponse>(options_, *stub_, &v1::AttentionService::Stub::Attend, request,
+                                  call, AffinityOf(call, first));
 }
 
 absl::StatusOr<v1::ServerInfo> AttentionClient::GetServerInfo() {
@@ -205,17 +228,21 @@ absl::StatusOr<v1::GetModelResponse> AttentionClient::GetModel(const std::string
 }
 
 absl::StatusOr<v1::CloseSessionsResponse> AttentionClient::CloseSessions(
-    const std::vector<std::string>& ids) {
+    const std::vector<std::string>& ids, const CallOptions& call) {
   v1::CloseSessionsRequest request;
   request.mutable_ids()->Assign(ids.begin(), ids.end());
+  static const std::string kNone;
   return Call<v1::CloseSessionsResponse>(options_, *stub_,
-                                         &v1::AttentionService::Stub::CloseSessions, request);
+                                         &v1::AttentionService::Stub::CloseSessions, request, call,
+                                         AffinityOf(call, ids.empty() ? kNone : ids.front()));
 }
 
-absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& id) {
+absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& id,
+                                                            const CallOptions& call) {
   v1::GetSessionRequest request;
   request.set_id(id);
-  return Call<v1::SessionInfo>(options_, *stub_, &v1::AttentionService::Stub::GetSession, request);
+  return Call<v1::SessionInfo>(options_, *stub_, &v1::AttentionService::Stub::GetSession, request,
+                               call, AffinityOf(call, id));
 }
 
 absl::StatusOr<std::string> AttentionClient::Health(const std::string& service) {

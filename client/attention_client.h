@@ -63,6 +63,19 @@ struct ClientOptions {
   }
 };
 
+// One call's routing: what a proxy hashes on, and which replica answered
+// (docs/sessions.md, "Sessions across replicas").
+struct CallOptions {
+  // Sent as "attention-affinity" metadata. Empty: a session request's first
+  // id, GetSession's id, CloseSessions' first id; nothing for other calls.
+  // A request carrying several sessions should pass a group id of the
+  // caller's, and the same one on every later call of those sessions.
+  std::string affinity;
+  // When not null, set to the name of the replica that answered (its
+  // "attention-replica" metadata; empty if it sent none).
+  std::string* replica = nullptr;
+};
+
 // A connection to one attention service target. Thread-safe.
 class AttentionClient {
  public:
@@ -79,17 +92,20 @@ class AttentionClient {
 
   // The server's error comes back as the status (same code and message);
   // DEADLINE_EXCEEDED after options.timeout, UNAVAILABLE when unreachable.
-  absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request);
+  absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
+                                            const CallOptions& call = {});
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
   absl::StatusOr<v1::ListModelsResponse> ListModels();
   absl::StatusOr<v1::GetModelResponse> GetModel(const std::string& name);
   // Closes the sessions `ids` and frees their caches. OK even when some were
   // not open: the answer lists them in not_found. client/session.h keeps a
   // session's ids and positions for a caller.
-  absl::StatusOr<v1::CloseSessionsResponse> CloseSessions(const std::vector<std::string>& ids);
+  absl::StatusOr<v1::CloseSessionsResponse> CloseSessions(const std::vector<std::string>& ids,
+                                                          const CallOptions& call = {});
   // One open session's position, heads, dims, dtype and bytes; NOT_FOUND
   // naming the id when it is not open (unknown, closed, expired or evicted).
-  absl::StatusOr<v1::SessionInfo> GetSession(const std::string& id);
+  absl::StatusOr<v1::SessionInfo> GetSession(const std::string& id,
+                                             const CallOptions& call = {});
   // grpc.health.v1 Check for `service` ("" = the whole server); returns the
   // status name: "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health(const std::string& service = "");

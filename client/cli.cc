@@ -58,6 +58,8 @@ flags:
   --raw                 call: keep output/weights as base64 `data` instead of
                         converting them to `float_data`
   --service NAME        health: the service to check (default: the whole server)
+  --affinity KEY        call, session, close: send "attention-affinity: KEY"
+                        (a proxy routes on it) instead of the first session id
   --help                print this text
 
 exit codes: 0 ok, 1 the call failed (one line "error: CODE: message" on
@@ -72,7 +74,7 @@ struct Flag {
 constexpr Flag kFlags[] = {
     {"target", true},   {"timeout", true}, {"token", true},           {"max_message_mb", true},
     {"service", true},  {"raw", false},    {"help", false},           {"tls_ca", true},
-    {"tls_cert", true}, {"tls_key", true}, {"tls_server_name", true},
+    {"tls_cert", true}, {"tls_key", true}, {"tls_server_name", true}, {"affinity", true},
 };
 
 std::optional<Flag> FindFlag(absl::string_view name) {
@@ -112,6 +114,8 @@ absl::Status SetFlag(absl::string_view name, const std::string& value, CliComman
     command->client.tls_server_name_override = value;
   } else if (name == "service") {
     command->service = value;
+  } else if (name == "affinity") {
+    command->affinity = value;
   } else if (name == "raw") {
     command->raw = true;
   } else if (name == "help") {
@@ -231,12 +235,19 @@ absl::Status ExpandForReading(const char* field, v1::Tensor* tensor) {
 }
 
 // The request is read and parsed before connecting, so a bad file fails fast.
+// The command's --affinity, if any, for the call's metadata.
+CallOptions Routing(const CliCommand& command) {
+  CallOptions call;
+  call.affinity = command.affinity;
+  return call;
+}
+
 absl::Status RunCall(const CliCommand& command, std::istream& in, std::ostream& out) {
   ATTN_ASSIGN_OR_RETURN(std::string text, ReadInput(command.input, in));
   ATTN_ASSIGN_OR_RETURN(v1::AttendRequest request, ParseRequest(command.input, text));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<AttentionClient> client,
                         AttentionClient::Create(command.client));
-  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse response, client->Attend(request));
+  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse response, client->Attend(request, Routing(command)));
   if (!command.raw) {
     if (response.has_output()) {
       ATTN_RETURN_IF_ERROR(ExpandForReading("output", response.mutable_output()));
@@ -270,12 +281,13 @@ absl::Status RunCommand(const CliCommand& command, std::istream& in, std::ostrea
     return PrintJson(models, out);
   }
   if (command.command == "session") {
-    ATTN_ASSIGN_OR_RETURN(v1::SessionInfo info, client->GetSession(command.session_ids[0]));
+    ATTN_ASSIGN_OR_RETURN(v1::SessionInfo info,
+                          client->GetSession(command.session_ids[0], Routing(command)));
     return PrintJson(info, out, /*all_fields=*/true);
   }
   if (command.command == "close") {
     ATTN_ASSIGN_OR_RETURN(v1::CloseSessionsResponse closed,
-                          client->CloseSessions(command.session_ids));
+                          client->CloseSessions(command.session_ids, Routing(command)));
     return PrintJson(closed, out, /*all_fields=*/true);
   }
   ATTN_ASSIGN_OR_RETURN(v1::GetModelResponse model, client->GetModel(command.model));

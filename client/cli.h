@@ -33,6 +33,9 @@ struct CliCommand {
   std::string service;
   // call: keep output/weights as they came (base64 `data`) instead of `float_data`.
   bool raw = false;
+  // call, session, close: the "attention-affinity" metadata; empty: the
+  // first session id.
+  std::string affinity;
   bool help = false;
   ClientOptions client;
 };

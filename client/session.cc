@@ -192,7 +192,7 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     ATTN_RETURN_IF_ERROR(keys_->Check(Keys(request), key_axis));
     ATTN_RETURN_IF_ERROR(values_->Check(Values(request), value_axis));
   }
-  absl::StatusOr<v1::AttendResponse> answer = client_->Attend(request);
+  absl::StatusOr<v1::AttendResponse> answer = client_->Attend(request, Call());
   if (answer.ok()) {
     Advance(request, position_, *answer);
     return answer;
@@ -215,10 +215,17 @@ absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& st
   ATTN_ASSIGN_OR_RETURN(v1::Tensor values, values_->With(Values(step), value_axis));
   *request.mutable_key() = std::move(keys);
   *request.mutable_value() = std::move(values);
-  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, client_->Attend(request));
+  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, client_->Attend(request, Call()));
   ++recreations_;
   Advance(step, /*base=*/request.key().shape(key_axis) - Keys(step).shape(key_axis), answer);
   return answer;
+}
+
+CallOptions Session::Call() {
+  CallOptions call;
+  call.affinity = options_.affinity.empty() ? options_.id : options_.affinity;
+  call.replica = &replica_;
+  return call;
 }
 
 void Session::Advance(const v1::AttendRequest& step, int64_t base,
@@ -239,7 +246,7 @@ void Session::Advance(const v1::AttendRequest& step, int64_t base,
 absl::Status Session::Close() {
   if (closed_) return absl::OkStatus();
   if (created_) {
-    absl::StatusOr<v1::CloseSessionsResponse> closed = client_->CloseSessions({id()});
+    absl::StatusOr<v1::CloseSessionsResponse> closed = client_->CloseSessions({id()}, Call());
     if (!closed.ok()) return closed.status();
   }
   closed_ = true;

@@ -35,6 +35,9 @@ struct SessionOptions {
   // no longer has (NOT_FOUND: expired, evicted, its replica restarted) is
   // recreated from them. Costs the rows' bytes in this process.
   bool keep_rows = false;
+  // Sent as "attention-affinity" on every call of the session, so that a
+  // proxy hashing on it routes them all to one replica; empty: the id.
+  std::string affinity;
 };
 
 // A session as its client sees it: the id, the rows the server holds
@@ -88,6 +91,9 @@ class Session {
   int64_t recreations() const { return recreations_; }
   // Bytes of the kept key and value rows (0 without keep_rows).
   int64_t kept_bytes() const;
+  // The replica that answered the last step (its "attention-replica"
+  // metadata; empty before the first answer or if the server sent none).
+  const std::string& replica() const { return replica_; }
 
  private:
   // The rows of one input (keys or values) sent so far, in order.
@@ -98,6 +104,8 @@ class Session {
   // After an OK answer to `step` sent at position `base` (0 for a create):
   // the new position, and with keep_rows the step's rows.
   void Advance(const v1::AttendRequest& step, int64_t base, const v1::AttendResponse& answer);
+  // Every call's affinity, and where the answering replica's name goes.
+  CallOptions Call();
   // `step` (which the server answered NOT_FOUND) as a create over the kept rows.
   absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step);
 
@@ -107,6 +115,7 @@ class Session {
   bool created_ = false;
   bool closed_ = false;
   int64_t recreations_ = 0;
+  std::string replica_;
   std::unique_ptr<RowLog> keys_;
   std::unique_ptr<RowLog> values_;
 };

@@ -6,13 +6,15 @@
 set -euo pipefail
 
 # ocl-icd-opencl-dev: only recommended by libdnnl-dev, but its CMake config
-# (find_package(dnnl)) fails without OpenCL's library and headers.
+# (find_package(dnnl)) fails without OpenCL's library and headers. haproxy:
+# the proxy session_proxy_test routes sessions through.
 packages=(
   cmake ninja-build g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libdnnl-dev ocl-icd-opencl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libssl-dev openssl jq
   libnghttp2-dev
+  haproxy
 )
 # --fuzz (deploy/fuzz.sh): Clang with libFuzzer and its sanitizer runtimes,
 # llvm-symbolizer for readable reports, and libomp-14-dev for Clang's omp.h

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/metadata.h"
 #include "common/status_macros.h"
 #include "server/convert.h"
 #include "server/response_encoder.h"
@@ -116,9 +117,27 @@ void AttentionServiceImpl::CallsEnded(int64_t n) const {
   open_calls_.fetch_sub(n);
 }
 
-absl::Status AttentionServiceImpl::DrainingError() {
+absl::Status AttentionServiceImpl::DrainingError(const v1::AttendRequest* request) {
+  if (request != nullptr && request->has_session() && !request->session().create() &&
+      !request->session().ids().empty()) {
+    return absl::NotFoundError(absl::StrCat(
+        "session \"", request->session().ids(0),
+        "\": this replica is shutting down and its sessions end with it; create the session "
+        "again (another replica takes it)"));
+  }
   return absl::UnavailableError(
       "the server is shutting down and takes no new calls; retry on another replica");
+}
+
+void AttentionServiceImpl::SetReplica(std::string name) {
+  if (replica_.load() != nullptr) return;
+  replica_owner_ = std::make_unique<const std::string>(std::move(name));
+  replica_.store(replica_owner_.get());
+}
+
+void AttentionServiceImpl::NameReplica(grpc::CallbackServerContext* context) const {
+  const std::string* name = replica_.load();
+  if (name != nullptr && !name->empty()) context->AddInitialMetadata(kReplicaHeader, *name);
 }
 
 void AttentionServiceImpl::Record(absl::string_view method, absl::string_view model,
@@ -146,6 +165,10 @@ void AttentionServiceImpl::Record(absl::string_view method, absl::string_view mo
 
 absl::Status AttentionServiceImpl::Admit(const grpc::CallbackServerContext& context) const {
   if (draining_.load()) return DrainingError();
+  return Authenticate(context);
+}
+
+absl::Status AttentionServiceImpl::Authenticate(const grpc::CallbackServerContext& context) const {
   return auth_ == nullptr ? absl::OkStatus() : auth_->Check(context);
 }
 
@@ -268,12 +291,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   // point into it.
   auto request = std::make_shared<v1::AttendRequest>();
   const size_t wire_bytes = request_bytes->Length();
-  absl::Status admitted = Admit(*context);
+  NameReplica(context);
+  absl::Status admitted = Authenticate(*context);
   // The message's bytes are freed as they are parsed: gRPC hands them over
   // (const only by the method's signature) and reads them no more.
   if (admitted.ok()) {
     admitted = ParseAndReleaseMessage(const_cast<grpc::ByteBuffer*>(request_bytes), request.get());
   }
+  // Parsed first, so that a request on sessions learns they are gone.
+  if (admitted.ok() && draining_.load()) admitted = DrainingError(request.get());
   absl::StatusOr<Job> job =
       admitted.ok() ? MakeJob(*context, *request, wire_bytes, &reactor->lease()) : admitted;
   if (!job.ok()) return FinishUnary(reactor, "Attend", request->model(), start, job.status());
@@ -318,6 +344,7 @@ class AttentionServiceImpl::StreamReactor final
     // Registered before the drain check: a drain that starts meanwhile either
     // finds this stream registered or is seen by the check.
     service_->AddStream(this);
+    service_->NameReplica(context);
     absl::MutexLock lock(&mu_);
     if (absl::Status admitted = service_->Admit(*context); !admitted.ok()) {
       finished_ = true;
@@ -358,7 +385,7 @@ class AttentionServiceImpl::StreamReactor final
     const size_t wire_bytes = bytes.Length();
     absl::Status parsed = ParseAndReleaseMessage(&bytes, request.get());
     // Parsed first, so that the refusal carries the request's id.
-    if (parsed.ok() && service_->draining_.load()) parsed = DrainingError();
+    if (parsed.ok() && service_->draining_.load()) parsed = DrainingError(request.get());
     service_->metrics_->AddInFlight(1);
     const absl::Time start = absl::Now();
     // Memory the request holds until its answer is written (or dropped).
@@ -522,6 +549,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
     v1::ServerInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  NameReplica(context);
   if (absl::Status admitted = Admit(*context); !admitted.ok()) {
     return FinishUnary(reactor, "GetServerInfo", "", start, admitted);
   }
@@ -530,6 +558,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
   response->set_engine_backend(engine_->backend_name());
   response->set_engine_isa(engine_->isa());
   response->set_engine_threads(engine_->threads());
+  if (const std::string* replica = replica_.load(); replica != nullptr) {
+    response->set_replica(*replica);
+  }
   v1::Limits* limits = response->mutable_limits();
   limits->set_max_message_bytes(options_.max_message_bytes);
   limits->set_max_tensor_elements(options.max_tensor_elements);
@@ -558,6 +589,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
                                                            v1::ListModelsResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  NameReplica(context);
   absl::Status status = Admit(*context);
   if (status.ok()) {
     for (const Model* model : models_->models()) *response->add_models() = model->config;
@@ -570,6 +602,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
                                                          v1::GetModelResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  NameReplica(context);
   absl::Status status = Admit(*context);
   if (status.ok()) {
     absl::StatusOr<const Model*> model = FindModel(request->name());
@@ -694,6 +727,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSessions(
     v1::CloseSessionsResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
+  NameReplica(context);
   if (absl::Status status = Admit(*context); !status.ok()) {
     return FinishUnary(reactor, "CloseSessions", "", start, status);
   }
@@ -712,7 +746,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerC
                                                            v1::SessionInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  absl::Status status = Admit(*context);
+  NameReplica(context);
+  absl::Status status = Authenticate(*context);
+  if (status.ok() && draining_.load()) {
+    status = absl::NotFoundError(absl::StrCat("session \"", request->id(),
+                                              "\": this replica is shutting down and its "
+                                              "sessions end with it"));
+  }
   if (status.ok()) {
     absl::StatusOr<v1::SessionInfo> info = sessions_.Info(request->id());
     if (info.ok()) *response = *std::move(info);

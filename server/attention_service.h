@@ -99,10 +99,18 @@ class AttentionServiceImpl final : public AttentionServiceBase {
 
   const SessionStore& sessions() const { return sessions_; }
 
+  // The name this replica gives itself in the initial metadata of every
+  // answer ("attention-replica", kReplicaHeader), so that callers behind a
+  // proxy see which replica served them. Set once, when the port is known;
+  // answers before that carry none.
+  void SetReplica(std::string name);
+
   // The first step of a drain: from now on every new call, and every new
-  // request on an open stream, is answered UNAVAILABLE; calls taken before go
-  // on; open streams end once their requests in flight are answered. Health
-  // and the connections are the caller's (AttentionServer).
+  // request on an open stream, is answered UNAVAILABLE, except a request on
+  // open sessions (or GetSession), answered NOT_FOUND: the sessions end with
+  // this replica, and their callers recreate them on another. Calls taken
+  // before go on; open streams end once their requests in flight are
+  // answered. Health and the connections are the caller's (AttentionServer).
   void StartDraining();
   // Calls, and requests on streams, taken and not yet over: the last byte of
   // their answer has not yet been handed to the connection's socket.
@@ -122,6 +130,11 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // Whether a new call is taken: UNAVAILABLE once draining, UNAUTHENTICATED
   // unless it carries the bearer token (when auth is on).
   absl::Status Admit(const grpc::CallbackServerContext& context) const;
+  // The bearer token check alone (Attend checks the drain once it has parsed
+  // the request).
+  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
+  // Adds the replica's name to the call's initial metadata.
+  void NameReplica(grpc::CallbackServerContext* context) const;
   // Finishes a unary call with `status` and records it.
   grpc::ServerUnaryReactor* FinishUnary(grpc::ServerUnaryReactor* reactor, absl::string_view method,
                                         absl::string_view model, absl::Time start,
@@ -132,8 +145,10 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // Counts a call (or stream request) open / `n` of them over.
   void CallOpened() const { open_calls_.fetch_add(1); }
   void CallsEnded(int64_t n) const;
-  // The UNAVAILABLE refusing new calls, and stream requests, once draining.
-  static absl::Status DrainingError();
+  // The refusal of new calls, and stream requests, once draining: NOT_FOUND
+  // naming the first session of a `request` on open sessions (not create),
+  // UNAVAILABLE for anything else.
+  static absl::Status DrainingError(const v1::AttendRequest* request = nullptr);
   // RESOURCE_EXHAUSTED, with the numbers, when the answer of a call of `cost`
   // would exceed the largest message the server sends: refused before
   // compute rather than computed and then not sent.
@@ -170,6 +185,9 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   MemoryBudget memory_;
   SessionStore sessions_;
   std::atomic<bool> draining_{false};
+  // SetReplica's name: owned by replica_owner_, published once.
+  std::unique_ptr<const std::string> replica_owner_;
+  std::atomic<const std::string*> replica_{nullptr};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   mutable std::atomic<int64_t> open_calls_{0};

@@ -51,6 +51,10 @@ ABSL_FLAG(int64_t, session_memory_mb, attention::ServerOptions().session_memory_
 ABSL_FLAG(int64_t, session_idle_seconds, attention::ServerOptions().session_idle_seconds,
           "Seconds a session with no request is kept before it expires; 0 keeps it until "
           "closed or evicted");
+ABSL_FLAG(std::string, replica_name, "",
+          "This replica's name, sent in every answer's attention-replica metadata and in "
+          "GetServerInfo (callers behind a proxy see which replica served them); empty: the "
+          "host's name and the bound port, HOST:PORT");
 ABSL_FLAG(std::string, model_repository, ATTENTION_DEFAULT_MODEL_REPOSITORY,
           "Folder of model folders (config.pbtxt + weights.safetensors) to serve; empty for "
           "none");
@@ -191,6 +195,7 @@ int main(int argc, char** argv) {
   options.memory_budget_mb = absl::GetFlag(FLAGS_memory_budget_mb);
   options.session_memory_mb = absl::GetFlag(FLAGS_session_memory_mb);
   options.session_idle_seconds = absl::GetFlag(FLAGS_session_idle_seconds);
+  options.replica_name = absl::GetFlag(FLAGS_replica_name);
   options.engine.max_request_flops = max_request_gflop * 1e9;
   absl::StatusOr<std::unique_ptr<attention::AttentionServer>> server =
       attention::AttentionServer::Create(options);

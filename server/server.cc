@@ -1,5 +1,7 @@
 #include "server/server.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -60,6 +62,13 @@ absl::StatusOr<int> MessageBytes(int64_t mb) {
 }
 
 // Host for clients to dial: the listen host, or loopback for a wildcard one.
+// This host's name ("localhost" if it has none).
+std::string HostName() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "localhost";
+  return name;
+}
+
 std::string DialHost(absl::string_view listen) {
   const size_t colon = listen.rfind(':');
   const absl::string_view host = colon == absl::string_view::npos ? "" : listen.substr(0, colon);
@@ -243,6 +252,9 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
   }
   impl->address = absl::StrCat(DialHost(options.listen), ":", impl->port);
+  impl->service->SetReplica(options.replica_name.empty()
+                                ? absl::StrCat(HostName(), ":", impl->port)
+                                : options.replica_name);
 
   // NOT_SERVING until the engine has run every kind of call once.
   grpc::HealthCheckServiceInterface* health = impl->grpc_server->GetHealthCheckService();

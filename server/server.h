@@ -80,6 +80,9 @@ struct ServerOptions {
   // caches are outside memory_budget_mb: leave room for both.
   int64_t session_memory_mb = 1024;
   int64_t session_idle_seconds = 600;
+  // The replica's name in its answers' "attention-replica" metadata and in
+  // GetServerInfo; empty: this host's name and the bound port (host:port).
+  std::string replica_name;
   EngineOptions engine;
 };
 

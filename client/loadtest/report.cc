@@ -99,6 +99,16 @@ std::string SessionSummary(const SessionStats& sessions, double seconds) {
   absl::StrAppend(&text, absl::StrFormat("%-15s%s in %.2fs: %s/s\n", "cache read",
                                          FormatBytes(sessions.cache_bytes_read), seconds,
                                          FormatBytes(sessions.cache_bytes_read_per_s(seconds))));
+  if (sessions.sessions_recreated > 0) {
+    absl::StrAppend(&text, absl::StrFormat("%-15s%d sessions recreated (%d steps)\n",
+                                           "recreated", sessions.sessions_recreated,
+                                           sessions.recreations));
+  }
+  for (const auto& [name, replica] : sessions.replicas) {
+    absl::StrAppend(&text, absl::StrFormat("%-15s%s: %d sessions created, %d steps\n", "replica",
+                                           name.empty() ? "(unnamed)" : name, replica.created,
+                                           replica.steps));
+  }
   return text;
 }
 
@@ -302,12 +312,18 @@ std::string FormatJson(const Report& report) {
         {"opened", sessions.opened},
         {"closed", sessions.closed},
         {"recreations", sessions.recreations},
+        {"sessions_recreated", sessions.sessions_recreated},
         {"steps", sessions.steps},
         {"steps_per_s", sessions.steps_per_s(stats.duration_s)},
         {"cache_bytes_read", sessions.cache_bytes_read},
         {"cache_bytes_read_per_s", sessions.cache_bytes_read_per_s(stats.duration_s)},
         {"prefill_us", HistogramJson(sessions.prefill)},
     };
+    Json replicas = Json::object();
+    for (const auto& [name, replica] : sessions.replicas) {
+      replicas[name] = {{"created", replica.created}, {"steps", replica.steps}};
+    }
+    json["sessions"]["replicas"] = replicas;
   }
   return json.dump(2) + "\n";
 }

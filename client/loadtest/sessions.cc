@@ -122,6 +122,7 @@ class Decoder {
       }
     }
     result_.sessions.recreations = (*session)->recreations();
+    result_.sessions.sessions_recreated = (*session)->recreations() > 0 ? 1 : 0;
     return std::move(result_);
   }
 
@@ -148,6 +149,7 @@ class Decoder {
       return false;
     }
     ++result_.sessions.opened;
+    ++result_.sessions.replicas[session.replica()].created;
     return true;
   }
 
@@ -156,6 +158,7 @@ class Decoder {
     const int64_t sent_ns = NanosSince(start_);
     result_.first_step_ns = std::min(result_.first_step_ns, sent_ns);
     ++result_.stats.sent;
+    const int64_t recreations = session.recreations();
     absl::StatusOr<v1::AttendResponse> answer = Send(session, options_.step);
     const int64_t done_ns = NanosSince(start_);
     result_.last_step_ns = std::max(result_.last_step_ns, done_ns);
@@ -182,6 +185,9 @@ class Decoder {
       }
     }
     ++result_.sessions.steps;
+    SessionStats::Replica& replica = result_.sessions.replicas[session.replica()];
+    ++replica.steps;
+    if (session.recreations() > recreations) ++replica.created;
     result_.sessions.cache_bytes_read +=
         static_cast<double>(session.position()) * static_cast<double>(options_.cache_row_bytes);
     return true;

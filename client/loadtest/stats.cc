@@ -98,6 +98,11 @@ void SessionStats::Merge(const SessionStats& other) {
   opened += other.opened;
   closed += other.closed;
   recreations += other.recreations;
+  sessions_recreated += other.sessions_recreated;
+  for (const auto& [name, replica] : other.replicas) {
+    replicas[name].created += replica.created;
+    replicas[name].steps += replica.steps;
+  }
   steps += other.steps;
   cache_bytes_read += other.cache_bytes_read;
   prefill.Merge(other.prefill);

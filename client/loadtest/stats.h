@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -89,8 +90,18 @@ struct SessionStats {
   // Sessions created by their prefill, and closed at the end.
   int64_t opened = 0;
   int64_t closed = 0;
-  // Steps answered by recreating a lost session from the kept rows.
+  // Steps answered by recreating a lost session from the kept rows, and the
+  // sessions recreated at least once.
   int64_t recreations = 0;
+  int64_t sessions_recreated = 0;
+  // By the replica that answered (its "attention-replica" metadata; "" when
+  // a server sent none): sessions created there (prefills and recreations)
+  // and steps it answered.
+  struct Replica {
+    int64_t created = 0;
+    int64_t steps = 0;
+  };
+  std::map<std::string, Replica> replicas;
   // Steps answered OK, and the cache bytes they read: each the rows it
   // attended over (the session's position after it) x cache_row_bytes.
   int64_t steps = 0;

@@ -1,0 +1,550 @@
+// Sessions across replicas through a real proxy: three attention_server
+// processes on 127.0.0.1 behind Debian's HAProxy with deploy/haproxy/haproxy.cfg
+// (HTTP/2 end to end, balance hdr(attention-affinity), hash-type consistent).
+// 64 decoders, each with its session (client::Session keeping its rows),
+// step in rounds; each step's output is recorded.
+//   1. Affinity: every step of a session is answered by the replica that
+//      created it (the answers' attention-replica metadata), and each
+//      replica's own metrics count exactly the sessions and rows routed to
+//      it, with no NOT_FOUND; the sessions spread over the three within 25%.
+//   2. The load tester through the proxy reports per-replica counts that
+//      match the servers' metrics.
+//   3. A replica killed (SIGKILL) mid-run, calls in flight: its sessions
+//      answer NOT_FOUND where they land next, are recreated there from the
+//      kept rows, and every step's output equals the run without the
+//      failure; sessions on the other replicas are never recreated or moved.
+//   4. A replica stopped with SIGTERM (scale-in) mid-run: the same, and the
+//      replica exits 0 after its drain.
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "attention/v1/attention.pb.h"
+#include "client/attention_client.h"
+#include "client/session.h"
+#include "client/tensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "nlohmann/json.hpp"
+
+#if !defined(ATTENTION_SERVER_BIN) || !defined(ATTENTION_LOADTEST_BIN) || \
+    !defined(ATTENTION_HAPROXY_BIN) || !defined(ATTENTION_SOURCE_DIR)
+#error "the build defines the binaries' and the source's paths"
+#endif
+
+extern char** environ;
+
+namespace attention {
+namespace {
+
+constexpr int kReplicas = 3;
+constexpr int kSessions = 64;
+constexpr int kPrefill = 16;
+constexpr int kSteps = 12;
+constexpr int kHeads = 2;
+constexpr int kEmbed = 16;
+constexpr int kThreads = 8;
+
+// A child process, its output in a log file; killed when dropped.
+class Process {
+ public:
+  Process() = default;
+  Process(Process&& other) noexcept : pid_(other.pid_), log_(std::move(other.log_)) {
+    other.pid_ = -1;
+  }
+  Process& operator=(Process&& other) noexcept {
+    Kill();
+    pid_ = other.pid_;
+    log_ = std::move(other.log_);
+    other.pid_ = -1;
+    return *this;
+  }
+  ~Process() { Kill(); }
+
+  // `argv` with the environment plus `env` ("NAME=value").
+  static absl::StatusOr<Process> Start(const std::vector<std::string>& argv,
+                                       const std::vector<std::string>& env,
+                                       const std::string& log) {
+    std::vector<std::string> environment(env);
+    for (char** e = environ; *e != nullptr; ++e) environment.emplace_back(*e);
+    std::vector<char*> args, envp;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    for (const std::string& e : environment) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    Process p;
+    p.log_ = log;
+    const int error = posix_spawn(&p.pid_, argv[0].c_str(), &actions, nullptr, args.data(),
+                                  envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    if (error != 0) {
+      p.pid_ = -1;
+      return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": errno ", error));
+    }
+    return p;
+  }
+
+  bool Running() {
+    if (pid_ <= 0) return false;
+    int status;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return false;
+    }
+    return true;
+  }
+
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+  // SIGTERM, then its exit code; DEADLINE_EXCEEDED (and killed) if it still
+  // runs after `timeout`.
+  absl::StatusOr<int> Terminate(absl::Duration timeout) {
+    if (pid_ <= 0) return absl::FailedPreconditionError("not running");
+    kill(pid_, SIGTERM);
+    const absl::Time end = absl::Now() + timeout;
+    while (absl::Now() < end) {
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    Kill();
+    return absl::DeadlineExceededError("still running after SIGTERM");
+  }
+
+  std::string Log() const {
+    std::ifstream in(log_);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+ private:
+  pid_t pid_ = -1;
+  std::string log_;
+};
+
+// A port of 127.0.0.1 nothing listens on now.
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+bool Accepts(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  close(fd);
+  return ok;
+}
+
+struct Replica {
+  std::string name;
+  Process process;
+  int port = 0;
+  int metrics_port = 0;
+};
+
+// A sample's value in the replica's /metrics (0 when absent).
+double Metric(const Replica& replica, const std::string& sample) {
+  httplib::Client http("127.0.0.1", replica.metrics_port);
+  httplib::Result result = http.Get("/metrics");
+  if (!result || result->status != 200) {
+    ADD_FAILURE() << replica.name << ": no metrics";
+    return -1;
+  }
+  std::istringstream lines(result->body);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind(sample + " ", 0) == 0) return std::stod(line.substr(sample.size() + 1));
+  }
+  return 0;
+}
+
+// The rows of session `s`: `rows` rows of [1, rows, kEmbed] from a seed of
+// (s, first row, salt), the same in every run.
+v1::Tensor Rows(int s, int first, int rows, int salt) {
+  std::vector<float> values(static_cast<size_t>(rows) * kEmbed);
+  for (size_t i = 0; i < values.size(); ++i) {
+    const double x = 0.37 * s + 0.11 * first + 0.013 * static_cast<double>(i) + 0.7 * salt;
+    values[i] = static_cast<float>(std::sin(x * 12.9898) * 0.9);
+  }
+  return *client::MakeFloatTensor({1, rows, kEmbed}, values);
+}
+
+// One decoder's record of a run: its outputs by step (the prefill first) and
+// the replica that answered each.
+struct Decoder {
+  std::unique_ptr<client::Session> session;
+  std::vector<std::vector<float>> outputs;
+  std::vector<std::string> replicas;
+  int unavailable_retries = 0;
+};
+
+class SessionProxyTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "session_proxy_", getpid()));
+    mkdir(dir_->c_str(), 0755);
+  }
+  static void TearDownTestSuite() {
+    std::system(absl::StrCat("rm -rf '", *dir_, "'").c_str());
+    delete dir_;
+  }
+
+  void SetUp() override {
+    for (int i = 0; i < kReplicas; ++i) ASSERT_NO_FATAL_FAILURE(StartReplica(i));
+    ASSERT_NO_FATAL_FAILURE(StartProxy());
+  }
+
+  void StartReplica(int i) {
+    Replica r;
+    r.name = absl::StrCat("replica", i + 1);
+    const std::string port_file = absl::StrCat(*dir_, "/", r.name, ".port");
+    std::remove(port_file.c_str());
+    absl::StatusOr<Process> p = Process::Start(
+        {ATTENTION_SERVER_BIN, "--listen=127.0.0.1:0", "--port_file=" + port_file,
+         "--metrics_port=0", "--replica_name=" + r.name, "--engine_threads=1",
+         "--model_repository=", "--drain_seconds=10"},
+        {}, absl::StrCat(*dir_, "/", r.name, ".log"));
+    ASSERT_TRUE(p.ok()) << p.status();
+    r.process = *std::move(p);
+    const std::regex metrics("metrics on http://127\\.0\\.0\\.1:([0-9]+)/metrics");
+    const absl::Time end = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < end && (r.port == 0 || r.metrics_port == 0)) {
+      ASSERT_TRUE(r.process.Running()) << r.name << " exited:\n" << r.process.Log();
+      std::ifstream in(port_file);
+      if (int port = 0; in >> port) r.port = port;
+      std::smatch m;
+      const std::string log = r.process.Log();
+      if (std::regex_search(log, m, metrics)) r.metrics_port = std::stoi(m[1]);
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ASSERT_GT(r.port, 0) << r.name << ": no port after 30 s:\n" << r.process.Log();
+    ASSERT_GT(r.metrics_port, 0) << r.name << ": no metrics port:\n" << r.process.Log();
+    replicas_[i] = std::move(r);
+  }
+
+  // HAProxy on a free port; tried again on another port if the one picked
+  // was taken meanwhile.
+  void StartProxy() {
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      proxy_port_ = FreePort();
+      std::vector<std::string> env = {
+          absl::StrCat("ATTENTION_PROXY_BIND=127.0.0.1:", proxy_port_)};
+      for (int i = 0; i < kReplicas; ++i) {
+        env.push_back(absl::StrCat("ATTENTION_REPLICA_", i + 1, "=127.0.0.1:", replicas_[i].port));
+      }
+      absl::StatusOr<Process> p = Process::Start(
+          {ATTENTION_HAPROXY_BIN, "-db", "-f", ATTENTION_SOURCE_DIR "/deploy/haproxy/haproxy.cfg"},
+          env, absl::StrCat(*dir_, "/haproxy.log"));
+      ASSERT_TRUE(p.ok()) << p.status();
+      proxy_ = *std::move(p);
+      const absl::Time end = absl::Now() + absl::Seconds(10);
+      while (absl::Now() < end && proxy_.Running() && !Accepts(proxy_port_)) {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      if (proxy_.Running() && Accepts(proxy_port_)) break;
+    }
+    ASSERT_TRUE(proxy_.Running()) << "haproxy did not start:\n" << proxy_.Log();
+    client::ClientOptions options;
+    options.target = absl::StrCat("127.0.0.1:", proxy_port_);
+    options.timeout = absl::Seconds(20);
+    client_ = *client::AttentionClient::Create(options);
+    // Every replica serving and in HAProxy's pool: a stateless call (round
+    // robin: no affinity) reaches each of them within a few tries.
+    std::set<std::string> seen;
+    const absl::Time end = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < end && seen.size() < kReplicas) {
+      std::string replica;
+      client::CallOptions call;
+      call.replica = &replica;
+      v1::AttendRequest request;
+      *request.mutable_query() = Rows(0, 0, 1, 9);
+      if (client_->Attend(request, call).ok()) seen.insert(replica);
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_EQ(seen.size(), static_cast<size_t>(kReplicas)) << proxy_.Log();
+  }
+
+  // The sessions' ids: the same in every run, so they hash alike.
+  static std::string Id(int s) { return absl::StrCat("decoder-", s); }
+
+  // Runs kSessions decoders through the proxy: a prefill, then kSteps
+  // one-row steps in rounds; `during` runs once half of the steps are
+  // answered, while the others are in flight. Closes the sessions.
+  std::vector<Decoder> Run(const std::function<void()>& during = nullptr) {
+    std::vector<Decoder> decoders(kSessions);
+    for (int s = 0; s < kSessions; ++s) {
+      client::SessionOptions options;
+      options.id = Id(s);
+      options.request.set_num_heads(kHeads);
+      options.request.mutable_mask()->set_causal(v1::Mask::BOTTOM_RIGHT);
+      options.keep_rows = true;
+      decoders[s].session = *client::Session::Create(client_.get(), std::move(options));
+    }
+    std::atomic<int> answered{0};
+    std::atomic<bool> fired{false};
+    const int half = kSessions * kSteps / 2;
+    auto step = [&](int s, int i) {
+      Decoder& d = decoders[s];
+      const int first = i == 0 ? 0 : kPrefill + i - 1;
+      const int rows = i == 0 ? kPrefill : 1;
+      // A step the proxy could not deliver (the replica died under it, and
+      // HAProxy has not noticed yet) is UNAVAILABLE and changed nothing: a
+      // decoder sends it again.
+      for (int attempt = 0;; ++attempt) {
+        absl::StatusOr<v1::AttendResponse> answer =
+            d.session->Step(Rows(s, first, rows, 0), Rows(s, first, rows, 1), Rows(s, first, rows, 2));
+        if (answer.ok()) {
+          d.outputs.push_back(*client::ReadFloats(answer->output()));
+          d.replicas.push_back(d.session->replica());
+          break;
+        }
+        if (answer.status().code() != absl::StatusCode::kUnavailable || attempt == 20) {
+          ADD_FAILURE() << Id(s) << " step " << i << ": " << answer.status();
+          d.outputs.emplace_back();
+          d.replicas.emplace_back();
+          break;
+        }
+        ++d.unavailable_retries;
+        absl::SleepFor(absl::Milliseconds(250));
+      }
+      if (++answered == half && during && !fired.exchange(true)) during();
+    };
+    for (int i = 0; i <= kSteps; ++i) {
+      std::vector<std::thread> threads;
+      for (int t = 0; t < kThreads; ++t) {
+        threads.emplace_back([&, t] {
+          for (int s = t; s < kSessions; s += kThreads) step(s, i);
+        });
+      }
+      for (std::thread& thread : threads) thread.join();
+    }
+    for (Decoder& d : decoders) EXPECT_TRUE(d.session->Close().ok()) << d.session->id();
+    return decoders;
+  }
+
+  static int ReplicaIndex(const std::string& name) {
+    for (int i = 0; i < kReplicas; ++i) {
+      if (name == absl::StrCat("replica", i + 1)) return i;
+    }
+    return -1;
+  }
+
+  // The replica that created each session, and how many each created.
+  static std::vector<int> Homes(const std::vector<Decoder>& run) {
+    std::vector<int> homes;
+    for (const Decoder& d : run) homes.push_back(ReplicaIndex(d.replicas.front()));
+    return homes;
+  }
+
+  // Every step's output of `run` equals the clean run's.
+  static void ExpectSameOutputs(const std::vector<Decoder>& run,
+                                const std::vector<Decoder>& clean) {
+    float worst = 0;
+    for (int s = 0; s < kSessions; ++s) {
+      ASSERT_EQ(run[s].outputs.size(), clean[s].outputs.size()) << Id(s);
+      for (size_t i = 0; i < run[s].outputs.size(); ++i) {
+        ASSERT_EQ(run[s].outputs[i].size(), clean[s].outputs[i].size()) << Id(s) << " step " << i;
+        for (size_t e = 0; e < run[s].outputs[i].size(); ++e) {
+          worst = std::max(worst, std::abs(run[s].outputs[i][e] - clean[s].outputs[i][e]));
+        }
+      }
+    }
+    EXPECT_LE(worst, 1e-5f) << "largest difference from the run without the failure";
+    std::printf("outputs: largest difference from the run without the failure: %g\n", worst);
+  }
+
+  // A run with `stop` applied to the replica holding the most sessions
+  // mid-run: its sessions move and are recreated once each, the others never
+  // notice, and the outputs equal `clean`'s.
+  void ExpectRecovery(const std::vector<Decoder>& clean, const std::function<void(Replica&)>& stop) {
+    std::vector<int> created(kReplicas);
+    for (int home : Homes(clean)) ++created[home];
+    const int victim =
+        static_cast<int>(std::max_element(created.begin(), created.end()) - created.begin());
+    const std::vector<Decoder> run = Run([&] { stop(replicas_[victim]); });
+    ASSERT_FALSE(HasFailure());
+    int recreated = 0, retries = 0;
+    for (int s = 0; s < kSessions; ++s) {
+      const Decoder& d = run[s];
+      const int home = ReplicaIndex(d.replicas.front());
+      EXPECT_EQ(home, Homes(clean)[s]) << Id(s) << ": created elsewhere than in the clean run";
+      retries += d.unavailable_retries;
+      if (home != victim) {
+        EXPECT_EQ(d.session->recreations(), 0) << Id(s);
+        for (const std::string& r : d.replicas) EXPECT_EQ(ReplicaIndex(r), home) << Id(s);
+        continue;
+      }
+      EXPECT_EQ(d.session->recreations(), 1) << Id(s) << " on " << replicas_[victim].name;
+      recreated += static_cast<int>(d.session->recreations());
+      // Once moved, it stays on its new replica.
+      const std::string& last = d.replicas.back();
+      EXPECT_NE(ReplicaIndex(last), victim) << Id(s);
+      const auto moved = std::find(d.replicas.begin(), d.replicas.end(), last);
+      for (auto it = moved; it != d.replicas.end(); ++it) EXPECT_EQ(*it, last) << Id(s);
+    }
+    std::printf("%s stopped mid-run: %d of its %d sessions recreated on the others; "
+                "%d step retries after UNAVAILABLE\n",
+                replicas_[victim].name.c_str(), recreated, created[victim], retries);
+    ExpectSameOutputs(run, clean);
+  }
+
+  static std::string* dir_;
+  Replica replicas_[kReplicas];
+  Process proxy_;
+  int proxy_port_ = 0;
+  std::unique_ptr<client::AttentionClient> client_;
+};
+
+std::string* SessionProxyTest::dir_ = nullptr;
+
+constexpr char kAttendOk[] = R"(attention_requests_total{method="Attend",model="",code="OK"})";
+constexpr char kAttendNotFound[] =
+    R"(attention_requests_total{method="Attend",model="",code="NOT_FOUND"})";
+
+TEST_F(SessionProxyTest, EveryStepReachesTheReplicaThatCreatedItsSession) {
+  std::vector<double> ok_before(kReplicas);
+  for (int i = 0; i < kReplicas; ++i) ok_before[i] = Metric(replicas_[i], kAttendOk);
+  const std::vector<Decoder> run = Run();
+  ASSERT_FALSE(HasFailure());
+  std::vector<int> created(kReplicas), steps(kReplicas);
+  for (int s = 0; s < kSessions; ++s) {
+    const Decoder& d = run[s];
+    EXPECT_EQ(d.session->recreations(), 0) << Id(s);
+    const int home = ReplicaIndex(d.replicas.front());
+    ASSERT_GE(home, 0) << Id(s) << " answered by \"" << d.replicas.front() << "\"";
+    ++created[home];
+    for (const std::string& r : d.replicas) EXPECT_EQ(r, d.replicas.front()) << Id(s);
+    steps[home] += static_cast<int>(d.replicas.size());
+  }
+  // By the servers' own counts: each created exactly the sessions routed to
+  // it and appended exactly their rows, and none was asked for a session it
+  // did not have.
+  for (int i = 0; i < kReplicas; ++i) {
+    const Replica& r = replicas_[i];
+    EXPECT_EQ(Metric(r, "attention_session_rows_appended_total"),
+              created[i] * (kPrefill + kSteps))
+        << r.name;
+    EXPECT_EQ(Metric(r, kAttendOk) - ok_before[i], steps[i]) << r.name;
+    EXPECT_EQ(Metric(r, kAttendNotFound), 0) << r.name;
+    EXPECT_EQ(Metric(r, R"(attention_sessions_ended_total{reason="closed"})"), created[i]) << r.name;
+    EXPECT_EQ(Metric(r, "attention_sessions_open"), 0) << r.name;
+  }
+  const double mean = static_cast<double>(kSessions) / kReplicas;
+  for (int i = 0; i < kReplicas; ++i) {
+    std::printf("%s: created %d of %d sessions, answered %d steps\n", replicas_[i].name.c_str(),
+                created[i], kSessions, steps[i]);
+    EXPECT_NEAR(created[i], mean, 0.25 * mean) << replicas_[i].name;
+  }
+}
+
+TEST_F(SessionProxyTest, TheLoadTesterCountsWhatEachReplicaServed) {
+  std::vector<double> rows_before(kReplicas);
+  for (int i = 0; i < kReplicas; ++i) {
+    rows_before[i] = Metric(replicas_[i], "attention_session_rows_appended_total");
+  }
+  const std::string report = absl::StrCat(*dir_, "/loadtest.json");
+  const std::string command = absl::StrCat(
+      ATTENTION_LOADTEST_BIN, " --target 127.0.0.1:", proxy_port_,
+      " --sessions 24 --prefill 8 --steps 6 --heads 2 --embed_dim 16 --json ", report, " > ", *dir_,
+      "/loadtest.log 2>&1");
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  std::ifstream in(report);
+  const nlohmann::json json = nlohmann::json::parse(in);
+  const nlohmann::json& replicas = json.at("sessions").at("replicas");
+  ASSERT_EQ(replicas.size(), static_cast<size_t>(kReplicas)) << replicas.dump();
+  int64_t created = 0, steps = 0;
+  for (int i = 0; i < kReplicas; ++i) {
+    const Replica& r = replicas_[i];
+    ASSERT_TRUE(replicas.contains(r.name)) << replicas.dump();
+    const nlohmann::json& counts = replicas.at(r.name);
+    created += counts.at("created").get<int64_t>();
+    steps += counts.at("steps").get<int64_t>();
+    // The server appended the prefills of the sessions created there and
+    // the steps it answered.
+    EXPECT_EQ(Metric(r, "attention_session_rows_appended_total") - rows_before[i],
+              counts.at("created").get<int64_t>() * 8 + counts.at("steps").get<int64_t>())
+        << r.name;
+    std::printf("load tester: %s created %lld sessions, answered %lld steps\n", r.name.c_str(),
+                static_cast<long long>(counts.at("created").get<int64_t>()),
+                static_cast<long long>(counts.at("steps").get<int64_t>()));
+  }
+  EXPECT_EQ(created, 24);
+  EXPECT_EQ(steps, 24 * 6);
+  EXPECT_EQ(json.at("sessions").at("sessions_recreated").get<int64_t>(), 0);
+}
+
+TEST_F(SessionProxyTest, SessionsOfAKilledReplicaAreRecreatedAndAnswerAsBefore) {
+  const std::vector<Decoder> clean = Run();
+  ASSERT_FALSE(HasFailure());
+  ExpectRecovery(clean, [](Replica& r) { r.process.Kill(); });
+}
+
+TEST_F(SessionProxyTest, ScaleInDrainsAReplicaAndItsSessionsMoveOn) {
+  const std::vector<Decoder> clean = Run();
+  ASSERT_FALSE(HasFailure());
+  std::optional<absl::StatusOr<int>> exit_code;
+  std::thread stopper;
+  ExpectRecovery(clean, [&](Replica& r) {
+    // SIGTERM while calls are in flight; the drain runs meanwhile.
+    stopper = std::thread([&] { exit_code = r.process.Terminate(absl::Seconds(30)); });
+  });
+  stopper.join();
+  ASSERT_TRUE(exit_code.has_value());
+  ASSERT_TRUE(exit_code->ok()) << exit_code->status();
+  EXPECT_EQ(**exit_code, 0);
+}
+
+}  // namespace
+}  // namespace attention
