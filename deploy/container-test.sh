@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the image from Dockerfile and tests it, without a Docker engine:
 #
-#   1. installs podman, buildah and debootstrap if missing; validates deploy/k8s
-#      and deploy/compose.yaml (deploy/k8s/validate.sh, deploy/validate-compose.sh);
+#   1. installs podman, buildah and debootstrap if missing; validates
+#      deploy/compose.yaml (deploy/validate-compose.sh; deploy/k8s/validate.sh is
+#      in the test command, as ctest k8s_manifests);
 #   2. builds attention_cli and attention_loadtest for the host (in build/, or
 #      $ATTENTION_BUILD_DIR);
 #   3. makes a Debian 12 base image: debootstrap --variant=minbase bookworm, then
@@ -46,7 +47,6 @@ if [[ ${#missing[@]} -gt 0 ]]; then
   apt-get install -y --no-install-recommends "${missing[@]}" ||
     { apt-get update && apt-get install -y --no-install-recommends "${missing[@]}"; }
 fi
-bash deploy/k8s/validate.sh
 bash deploy/validate-compose.sh
 
 # --- 2. host binaries -------------------------------------------------------------

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Validates deploy/k8s offline: renders the kustomization with kubectl kustomize
-# and checks every object against the Kubernetes API schemas and the rules of
+# Validates deploy/k8s and deploy/k8s-sessions offline: renders each
+# kustomization with kubectl kustomize and checks every object against its
+# API schema (Kubernetes, Istio, Gateway API) and the rules of
 # deploy/validator/k8s.mjs (gRPC probes, grace period > preStop + drain,
-# selectors, ...); checks that the ConfigMap's model is the repository's
-# models/demo; then checks that two broken renderings fail. Installs kubectl
-# (Debian's kubernetes-client) and the validator's npm packages if missing.
+# selectors, session routing on attention-affinity, ...); checks that the
+# ConfigMap's model is the repository's models/demo and that the sessions
+# overlay leaves every object of deploy/k8s as it is; then checks that broken
+# renderings fail. Installs kubectl (Debian's kubernetes-client) and the
+# validator's npm packages if missing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source deploy/validator/setup.sh
@@ -31,12 +34,31 @@ trap 'rm -rf "$tmp"' EXIT
 kubectl kustomize deploy/k8s >"$tmp/rendered.yaml" || fail "kubectl kustomize deploy/k8s failed"
 node deploy/validator/k8s.mjs "$tmp/rendered.yaml" || fail "the rendered manifests are invalid (above)"
 
-# expect_invalid NAME SED_SCRIPT EXPECTED: the rendering edited by SED_SCRIPT
-# must fail validation with a message containing EXPECTED.
+kubectl kustomize deploy/k8s-sessions >"$tmp/sessions.yaml" || fail "kubectl kustomize deploy/k8s-sessions failed"
+node deploy/validator/k8s.mjs "$tmp/sessions.yaml" || fail "the session routing manifests are invalid (above)"
+# The stateless path's objects are unchanged by the overlay.
+node --input-type=module - "$tmp/rendered.yaml" "$tmp/sessions.yaml" <<'EOF_NODE' ||
+import { readFileSync } from "node:fs";
+import { createRequire } from "node:module";
+const require = createRequire(process.cwd() + "/deploy/validator/");
+const { parseAllDocuments } = require("yaml");
+const docs = (f) => parseAllDocuments(readFileSync(f, "utf8")).map((d) => JSON.stringify(d.toJS()));
+const overlay = new Set(docs(process.argv[3]));
+const changed = docs(process.argv[2]).filter((d) => !overlay.has(d));
+if (changed.length > 0) {
+  console.error(`changed by deploy/k8s-sessions: ${changed.map((d) => JSON.parse(d).kind).join(", ")}`);
+  process.exit(1);
+}
+EOF_NODE
+  fail "deploy/k8s-sessions changes objects of deploy/k8s"
+
+# expect_invalid NAME SED_SCRIPT EXPECTED [RENDERING]: the rendering
+# (rendered.yaml, or sessions.yaml) edited by SED_SCRIPT must fail validation
+# with a message containing EXPECTED.
 expect_invalid() {
-  local name=$1 script=$2 expected=$3
-  sed "$script" "$tmp/rendered.yaml" >"$tmp/$name.yaml"
-  ! cmp -s "$tmp/rendered.yaml" "$tmp/$name.yaml" || fail "negative check $name: '$script' changed nothing"
+  local name=$1 script=$2 expected=$3 rendering=${4:-rendered}
+  sed "$script" "$tmp/$rendering.yaml" >"$tmp/$name.yaml"
+  ! cmp -s "$tmp/$rendering.yaml" "$tmp/$name.yaml" || fail "negative check $name: '$script' changed nothing"
   if node deploy/validator/k8s.mjs "$tmp/$name.yaml" 2>"$tmp/$name.err"; then
     fail "negative check $name: the broken manifests passed"
   fi
@@ -48,4 +70,10 @@ expect_invalid port_as_string 's/containerPort: 50051/containerPort: "50051"/' \
   "containerPort must be integer"
 expect_invalid short_grace_period 's/terminationGracePeriodSeconds: .*/terminationGracePeriodSeconds: 20/' \
   "terminationGracePeriodSeconds 20 must exceed"
+expect_invalid ring_size_as_word 's/minimumRingSize: 4096/minimumRingSize: many/' \
+  "minimumRingSize must be integer" sessions
+expect_invalid other_header 's/httpHeaderName: attention-affinity/httpHeaderName: x-session/' \
+  "not attention-affinity" sessions
+expect_invalid route_to_nowhere 's/- name: attention-server$/- name: attention-sever/' \
+  "is not a Service port" sessions
 echo "k8s: PASS"

@@ -1,6 +1,7 @@
-// Checks Kubernetes manifests offline: every object against the Kubernetes API
-// schema of its apiVersion and kind (npm's kubernetes-models), then the rules
-// that deploy/k8s relies on. Prints each problem and exits 1 if there is any.
+// Checks Kubernetes manifests offline: every object against the API schema of
+// its apiVersion and kind (npm's kubernetes-models, @kubernetes-models/istio
+// and @kubernetes-models/gateway-api), then the rules that deploy/k8s and
+// deploy/k8s-sessions rely on. Prints each problem and exits 1 if there is any.
 //
 //   node k8s.mjs FILE      (multi-document YAML, e.g. the output of kubectl kustomize)
 //   node k8s.mjs -         (the same on standard input)
@@ -36,11 +37,18 @@ for (const doc of parseAllDocuments(text)) {
 const nameOf = (o) => `${o.kind ?? "?"}/${o.metadata?.name ?? "?"}`;
 
 // --- Kubernetes API schemas ---------------------------------------------------
+// Packages with the schemas of API groups beyond Kubernetes' own.
+const groupPackages = {
+  "networking.istio.io": "@kubernetes-models/istio",
+  "gateway.networking.k8s.io": "@kubernetes-models/gateway-api",
+};
 async function modelFor(apiVersion, kind) {
-  // "v1" (core) or "GROUP/VERSION"; kubernetes-models has one module per version.
+  // "v1" (core) or "GROUP/VERSION"; each package has one module per version.
   if (!/^([a-z0-9.-]+\/)?v[0-9]+((alpha|beta)[0-9]+)?$/.test(apiVersion)) return undefined;
+  const group = apiVersion.includes("/") ? apiVersion.split("/")[0] : "";
+  const module = groupPackages[group] ? `${groupPackages[group]}/${apiVersion}` : `kubernetes-models/${apiVersion}`;
   try {
-    return (await import(`kubernetes-models/${apiVersion}`))[kind];
+    return (await import(module))[kind];
   } catch {
     return undefined;
   }
@@ -131,6 +139,37 @@ for (const h of ofKind("HorizontalPodAutoscaler")) {
   const target = h.spec?.scaleTargetRef;
   if (!deployments.some((d) => target?.kind === "Deployment" && d.metadata?.name === target?.name)) {
     problems.push(`${nameOf(h)}: scaleTargetRef ${target?.kind}/${target?.name} is not in the manifests`);
+  }
+}
+
+// Sessions across replicas (deploy/k8s-sessions): routing hashes on the
+// header the clients send, towards a Service and port that exist.
+const AFFINITY_HEADER = "attention-affinity";
+const services = ofKind("Service");
+const serviceNamed = (host) => services.find((s) => s.metadata?.name === String(host).split(".")[0]);
+for (const r of ofKind("DestinationRule")) {
+  if (serviceNamed(r.spec?.host) === undefined) {
+    problems.push(`${nameOf(r)}: host ${r.spec?.host} is not a Service in the manifests`);
+  } else if (serviceNamed(r.spec?.host).spec?.clusterIP === "None") {
+    problems.push(`${nameOf(r)}: host ${r.spec?.host} is headless: clients pick pods themselves, the mesh cannot hash`);
+  }
+  const header = r.spec?.trafficPolicy?.loadBalancer?.consistentHash?.httpHeaderName;
+  if (header !== AFFINITY_HEADER) {
+    problems.push(`${nameOf(r)}: consistentHash.httpHeaderName is ${header}, not ${AFFINITY_HEADER}`);
+  }
+}
+const gateways = new Set(ofKind("Gateway").map((g) => g.metadata?.name));
+for (const route of ofKind("GRPCRoute")) {
+  for (const parent of route.spec?.parentRefs ?? []) {
+    if (!gateways.has(parent.name)) problems.push(`${nameOf(route)}: parentRef ${parent.name} is not a Gateway in the manifests`);
+  }
+  for (const rule of route.spec?.rules ?? []) {
+    for (const backend of rule.backendRefs ?? []) {
+      const service = serviceNamed(backend.name);
+      if (service === undefined || !service.spec?.ports?.some((p) => p.port === backend.port)) {
+        problems.push(`${nameOf(route)}: backendRef ${backend.name}:${backend.port} is not a Service port in the manifests`);
+      }
+    }
   }
 }
 

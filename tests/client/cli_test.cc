@@ -81,6 +81,10 @@ TEST(ParseCliArgsTest, FlagsBeforeAndAfterTheCommand) {
   EXPECT_EQ(command->client.timeout, absl::Milliseconds(500));
   EXPECT_EQ(command->client.bearer_token, "abc");
   EXPECT_EQ(command->client.max_message_mb, 64);
+  EXPECT_EQ(command->affinity, "");
+  command = ParseCliArgs({"close", "a", "--affinity=g"});
+  ASSERT_THAT(command, IsOk());
+  EXPECT_EQ(command->affinity, "g");
 }
 
 TEST(ParseCliArgsTest, TlsFlags) {
@@ -348,6 +352,8 @@ TEST_F(RunCliServerTest, SessionsOpenStepInspectAndClose) {
   })");
   ASSERT_EQ(step.code, kCliOk) << step.err;
   EXPECT_THAT(step.out, HasSubstr("\"3\""));
+  // Session calls carry their affinity: the first id, or --affinity.
+  EXPECT_EQ(server_.last_affinity(), "d1");
 
   CliResult stale = RunAgainstServer({"call"}, R"({
     "query": {"shape": [1, 1, 4], "float_data": [9, 10, 11, 12]},
@@ -357,8 +363,9 @@ TEST_F(RunCliServerTest, SessionsOpenStepInspectAndClose) {
   EXPECT_EQ(stale.err,
             "error: ABORTED: session d1: position 2 was expected, the session holds 3\n");
 
-  CliResult info = RunAgainstServer({"session", "d1"});
+  CliResult info = RunAgainstServer({"--affinity", "group-1", "session", "d1"});
   ASSERT_EQ(info.code, kCliOk) << info.err;
+  EXPECT_EQ(server_.last_affinity(), "group-1");
   EXPECT_THAT(info.out,
               AllOf(HasSubstr("\"id\": \"d1\""), HasSubstr("\"position\": \"3\""),
                     HasSubstr("\"heads\": 2"), HasSubstr("\"head_dim\": 2"),

@@ -30,9 +30,10 @@ v1::ModelConfig DemoModel() {
   return model;
 }
 
-std::string Authorization(const grpc::ServerContext& context) {
+// The call's metadata `key`, "" when it had none.
+std::string Metadata(const grpc::ServerContext& context, const char* key) {
   const auto& metadata = context.client_metadata();
-  auto it = metadata.find("authorization");
+  auto it = metadata.find(key);
   if (it == metadata.end()) return "";
   return std::string(it->second.data(), it->second.size());
 }
@@ -143,7 +144,8 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
  private:
   void Record(const grpc::ServerContext& context) {
     absl::MutexLock lock(&state_->mu);
-    state_->authorization = Authorization(context);
+    state_->authorization = Metadata(context, "authorization");
+    state_->affinity = Metadata(context, "attention-affinity");
   }
 
   // What HangCall and FailCall chose for a call.
@@ -356,6 +358,11 @@ FakeAttentionServer::~FakeAttentionServer() {
 void FakeAttentionServer::set_health(grpc::health::v1::HealthCheckResponse::ServingStatus status) {
   absl::MutexLock lock(&state_.mu);
   state_.health = status;
+}
+
+std::string FakeAttentionServer::last_affinity() const {
+  absl::MutexLock lock(&state_.mu);
+  return state_.affinity;
 }
 
 std::string FakeAttentionServer::last_authorization() const {

@@ -59,6 +59,8 @@ class FakeAttentionServer {
   void set_health(grpc::health::v1::HealthCheckResponse::ServingStatus status);
   // The "authorization" metadata of the latest call, "" when it had none.
   std::string last_authorization() const;
+  // The "attention-affinity" metadata of the latest call, "" when it had none.
+  std::string last_affinity() const;
   // The service name of the latest health check.
   std::string last_health_service() const;
   // Attend calls and AttendStream messages received so far.
@@ -105,6 +107,7 @@ class FakeAttentionServer {
     grpc::health::v1::HealthCheckResponse::ServingStatus health ABSL_GUARDED_BY(mu) =
         grpc::health::v1::HealthCheckResponse::SERVING;
     std::string authorization ABSL_GUARDED_BY(mu);
+    std::string affinity ABSL_GUARDED_BY(mu);
     std::string health_service ABSL_GUARDED_BY(mu);
     int64_t attend_calls ABSL_GUARDED_BY(mu) = 0;
     std::set<std::string> peers ABSL_GUARDED_BY(mu);

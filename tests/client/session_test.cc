@@ -132,6 +132,48 @@ TEST_F(SessionTest, FirstStepCreatesAndPositionsFollowTheAnswers) {
   EXPECT_EQ(s.kept_bytes(), 0);
 }
 
+// Every call of a session carries "attention-affinity" for a proxy to hash
+// on: the id, or the group the caller chose; stateless calls carry none.
+TEST_F(SessionTest, SessionCallsCarryTheirAffinity) {
+  std::unique_ptr<Session> s = Open("decoder-9", /*keep_rows=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "decoder-9");
+  server_.DropSessions();
+  ASSERT_THAT(s->Step(Rows(1, 4, 1)), IsOk());  // the recreation, too
+  EXPECT_EQ(s->recreations(), 1);
+  EXPECT_EQ(server_.last_affinity(), "decoder-9");
+  ASSERT_THAT(s->Close(), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "decoder-9");
+
+  SessionOptions grouped;
+  grouped.id = "decoder-10";
+  grouped.affinity = "user-42";
+  grouped.request.set_num_heads(2);
+  absl::StatusOr<std::unique_ptr<Session>> g = Session::Create(client_.get(), grouped);
+  ASSERT_THAT(g, IsOk());
+  ASSERT_THAT((*g)->Step(Rows(2, 4, 0)), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "user-42");
+
+  // The client itself: a session request's first id unless the call names
+  // a group; GetSession's id; nothing without sessions.
+  v1::AttendRequest request;
+  *request.mutable_query() = Rows(1, 4, 0);
+  ASSERT_THAT(client_->Attend(request), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "");
+  request.mutable_session()->add_ids("decoder-10");
+  request.mutable_session()->add_positions(2);
+  ASSERT_THAT(client_->Attend(request), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "decoder-10");
+  CallOptions call;
+  call.affinity = "user-42";
+  request.mutable_session()->set_positions(0, 3);
+  ASSERT_THAT(client_->Attend(request, call), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "user-42");
+  ASSERT_THAT(client_->GetSession("decoder-10"), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "decoder-10");
+}
+
 TEST_F(SessionTest, WithoutKeyTheQueryRowsAreAppended) {
   std::unique_ptr<Session> s = Open("self");
   ASSERT_NE(s, nullptr);

@@ -1,6 +1,8 @@
 // The operator-facing features end to end, on a real server on 127.0.0.1:0:
 // bearer-token auth, TLS and mTLS, Prometheus metrics, graceful drain.
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -33,6 +35,7 @@
 namespace attention::testing {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -349,6 +352,84 @@ TEST(DrainTest, AStreamAnswersWhatItTookThenEnds) {
   EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(ended.error_message(), HasSubstr("shutting down"));
   stopper.join();
+}
+
+// Scale-in: once a drain starts, a request on an open session is NOT_FOUND
+// naming it (the session ends with this replica: its caller recreates it on
+// another), GetSession too, and a create is UNAVAILABLE (retry elsewhere);
+// the call in flight is still answered.
+TEST(DrainTest, SessionsAnswerNotFoundOnceDraining) {
+  auto server = StartForDrain();
+  ASSERT_THAT(server, IsOk());
+  client::AttentionClient& client = (*server)->client();
+  client::ClientOptions checker_options;
+  checker_options.target = (*server)->server().address();
+  checker_options.own_connection = true;
+  checker_options.max_attempts = 1;
+  auto checker = client::AttentionClient::Create(checker_options);
+  ASSERT_THAT(checker, IsOk());
+  v1::AttendRequest create = Small();
+  create.mutable_session()->add_ids("leaving");
+  create.mutable_session()->add_positions(0);
+  create.mutable_session()->set_create(true);
+  ASSERT_THAT((*checker)->Attend(create), IsOk());
+
+  v1::AttendRequest big;
+  *big.mutable_query() = Ramp({4, 8, 1024, 64});
+  absl::StatusOr<v1::AttendResponse> in_flight;
+  std::thread caller([&] { in_flight = client.Attend(big); });
+  ASSERT_TRUE(WaitForOneInFlight((*server)->server().metrics()));
+  std::thread stopper([&] { (*server)->server().Shutdown(); });
+  absl::StatusOr<std::string> health;
+  for (int i = 0; i < 1000; ++i) {
+    health = (*checker)->Health();
+    if (health.ok() && *health == "NOT_SERVING") break;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_THAT(health, IsOkAndHolds("NOT_SERVING"));
+  v1::AttendRequest step = Small();
+  step.mutable_session()->add_ids("leaving");
+  step.mutable_session()->add_positions(6);
+  EXPECT_THAT((*checker)->Attend(step),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr("\"leaving\""), HasSubstr("shutting down"))));
+  EXPECT_THAT((*checker)->GetSession("leaving"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"leaving\"")));
+  create.mutable_session()->set_ids(0, "arriving");
+  EXPECT_THAT((*checker)->Attend(create),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
+  caller.join();
+  stopper.join();
+  EXPECT_THAT(in_flight, IsOk());
+}
+
+// Every answer names the replica (--replica_name, or host:port), as does
+// GetServerInfo; a caller's affinity changes nothing on the server.
+TEST(ReplicaTest, AnswersNameTheReplica) {
+  ServerOptions options;
+  options.replica_name = "replica-a";
+  auto named = TestServer::Start(options);
+  ASSERT_THAT(named, IsOk());
+  std::string replica;
+  client::CallOptions call;
+  call.replica = &replica;
+  call.affinity = "group-7";
+  ASSERT_THAT((*named)->client().Attend(Small(), call), IsOk());
+  EXPECT_EQ(replica, "replica-a");
+  absl::StatusOr<v1::ServerInfo> info = (*named)->client().GetServerInfo();
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->replica(), "replica-a");
+  // Errors carry it too: the caller sees which replica refused.
+  EXPECT_THAT((*named)->client().GetSession("none", call),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("none")));
+  EXPECT_EQ(replica, "replica-a");
+
+  auto unnamed = TestServer::Start(ServerOptions());
+  ASSERT_THAT(unnamed, IsOk());
+  ASSERT_THAT((*unnamed)->client().Attend(Small(), call), IsOk());
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof host - 1), 0);
+  EXPECT_EQ(replica, absl::StrCat(host, ":", (*unnamed)->server().port()));
 }
 
 // --max_connection_age_seconds: the server closes old connections, and the
