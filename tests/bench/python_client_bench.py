@@ -88,6 +88,18 @@ def overhead(target, seconds, rounds):
         med = np.median(rates)
         print(f"  {name:36s} {med:8.1f} calls/s  {med / raw:5.2f}x raw  "
               f"(rounds: {', '.join(f'{r:.0f}' for r in rates)})")
+    # The client's own work per call, apart from the call: encoding the
+    # request and decoding an answer.
+    from attention_client import _request, _wire
+    raw_request, kind = _request.build(q, k, v, {})
+    answer = raw_attend(raw_request, timeout=30)
+    for label, work in (("encode", lambda: _request.build(q, k, v, {})),
+                        ("decode", lambda: _wire.decode(answer, kind))):
+        n = 300
+        start = time.perf_counter()
+        for _ in range(n):
+            work()
+        print(f"  client {label} alone: {(time.perf_counter() - start) / n * 1e6:.0f} us per call")
     client.close()
     raw_channel.close()
 
