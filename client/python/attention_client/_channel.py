@@ -1,0 +1,87 @@
+"""What the blocking and asyncio clients set up alike: channel options (as
+the C++ client's: reconnect backoffs, retries of UNAVAILABLE on unary calls,
+message size), TLS credentials, the bearer token, and the health check's
+hand-encoded messages (grpc.health.v1 has no stubs in Debian's grpcio)."""
+import json
+
+import grpc
+
+from attention_client._errors import invalid
+from attention_client._wire import _varint
+
+SERVICE = "/attention.v1.AttentionService/"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+_HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+# Unary methods are safe to repeat (docs/client.md, "Reconnects and retries");
+# streams are not retried.
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "attention.v1.AttentionService", "method": m} for m in (
+            "Attend", "GetServerInfo", "ListModels", "GetModel", "CloseSessions", "GetSession")]
+        + [{"service": "grpc.health.v1.Health", "method": "Check"}],
+        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }],
+    "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
+})
+
+
+def _read(option, value):
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise invalid(f"{option}: cannot read {value}: {e.strerror}") from None
+
+
+class Settings:
+    """A client's arguments, checked: the channel's options and credentials,
+    and each call's metadata and default timeout."""
+
+    def __init__(self, target, token, tls_ca, tls_cert, tls_key, tls_server_name, timeout,
+                 max_message_mb):
+        if (tls_cert is None) != (tls_key is None):
+            raise invalid("tls_cert and tls_key go together; only one is set")
+        if timeout is not None and not timeout > 0:
+            raise invalid(f"timeout: {timeout!r} is not a positive number of seconds or None")
+        self.target = target
+        self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        max_bytes = int(max_message_mb) << 20
+        self.options = [
+            ("grpc.max_send_message_length", max_bytes),
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.min_reconnect_backoff_ms", 1000),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", _SERVICE_CONFIG),
+        ]
+        if tls_server_name:
+            self.options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self.tls = tls_ca is not None or tls_cert is not None
+        self.credentials = None
+        if self.tls:
+            self.credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read("tls_ca", tls_ca),
+                private_key=_read("tls_key", tls_key),
+                certificate_chain=_read("tls_cert", tls_cert))
+
+    def call_timeout(self, timeout):
+        """The deadline of one call: its own timeout, or the client's."""
+        return self.timeout if timeout is ... else timeout
+
+
+def health_request(service):
+    data = service.encode()
+    return b"\x0a" + _varint(len(data)) + data if data else b""
+
+
+def health_status(raw):
+    """The status name in a HealthCheckResponse's bytes."""
+    if len(raw) >= 2 and raw[0] == 0x08:
+        return _HEALTH_STATUS.get(raw[1], str(raw[1]))
+    return "UNKNOWN"

@@ -1,0 +1,168 @@
+"""attention_client.Client: blocking calls."""
+import grpc
+
+from attention_client import _channel, _request, _session, _wire
+from attention_client._errors import from_rpc_error
+from attention_client._proto.attention.v1 import model_pb2, service_pb2, service_pb2_grpc
+
+
+class Client:
+    """A channel to one attention service (target "host:port", or any gRPC
+    target such as "dns:///name:port"). Thread-safe; close() or a with block
+    ends the channel.
+
+    token: sent as "authorization: Bearer <token>" on every call.
+    tls_ca: the CA's PEM (a path or bytes) to verify the server with; TLS is
+    used when it or tls_cert / tls_key (a client certificate, for mutual TLS)
+    is set; tls_server_name overrides the name checked in its certificate.
+    timeout: each call's deadline in seconds (None: none); each method takes
+    its own timeout= too. Every failure raises AttentionError."""
+
+    def __init__(self, target, *, token=None, tls_ca=None, timeout=30.0, tls_cert=None,
+                 tls_key=None, tls_server_name=None, max_message_mb=256):
+        self._settings = _channel.Settings(target, token, tls_ca, tls_cert, tls_key,
+                                           tls_server_name, timeout, max_message_mb)
+        s = self._settings
+        if s.tls:
+            self._channel = grpc.secure_channel(target, s.credentials, options=s.options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=s.options)
+        self._attend = self._channel.unary_unary(_channel.SERVICE + "Attend")
+        self._attend_stream = self._channel.stream_stream(_channel.SERVICE + "AttendStream")
+        self._health = self._channel.unary_unary(_channel.HEALTH_CHECK)
+        self._stub = service_pb2_grpc.AttentionServiceStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request, timeout):
+        try:
+            return method(request, timeout=self._settings.call_timeout(timeout),
+                          metadata=self._settings.metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def attend(self, query, key=None, value=None, *, timeout=..., **fields):
+        """Attention of `query` over `key` and `value` (numpy arrays or torch
+        tensors; absent: key = query, value = key). `fields` are
+        AttendRequest's fields by name (docs/python.md). Returns an Answer whose
+        output and weights are the query's kind: numpy arrays, or torch
+        tensors on its device."""
+        raw, kind = _request.build(query, key, value, fields)
+        return _wire.decode(self._call(self._attend, raw, timeout), kind)
+
+    def attend_stream(self, requests, *, timeout=..., **fields):
+        """Sends each request of the iterable `requests` (dicts of attend()'s
+        arguments: query, key, value and fields; `fields` apply to every one) on
+        one AttendStream and yields an Answer per request as the server answers
+        it. A request without an id gets its index as one. A request the server
+        refuses is answered with .error set, and the stream goes on; a failure
+        of the whole stream raises AttentionError."""
+        kinds = {}
+
+        def encoded():
+            for index, item in enumerate(requests):
+                args = dict(fields)
+                args.update(item)
+                if args.get("id") in (None, ""):
+                    args["id"] = str(index)
+                query, key, value = args.pop("query", None), args.pop("key", None), args.pop(
+                    "value", None)
+                raw, kind = _request.build(query, key, value, args)
+                kinds.setdefault(str(args["id"]), []).append(kind)
+                yield raw
+
+        call = self._attend_stream(encoded(), timeout=self._settings.call_timeout(timeout),
+                                   metadata=self._settings.metadata)
+        try:
+            for raw in call:
+                yield _wire.decode_stream(raw, kinds)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    def session(self, id=None, *, keep_rows=False, cache_dtype="float32", **fields):
+        """A Session: keys and values kept on the server between steps.
+        `id` (default: a random one) must not be open on the server; `fields`
+        are what every step sends besides its rows (model or num_heads and
+        score, causal="bottom_right", layout, ...); cache_dtype "float32" or
+        "bfloat16"; keep_rows keeps every row sent, to recreate the session
+        when the server answers NOT_FOUND."""
+        return Session(self, _session.SessionCore(id, keep_rows, cache_dtype, fields))
+
+    def server_info(self, *, timeout=...):
+        """GetServerInfo: an attention.v1.ServerInfo message."""
+        return self._call(self._stub.GetServerInfo, service_pb2.GetServerInfoRequest(), timeout)
+
+    def models(self, *, timeout=...):
+        """ListModels: a list of attention.v1.ModelConfig messages."""
+        return list(self._call(self._stub.ListModels, model_pb2.ListModelsRequest(),
+                               timeout).models)
+
+    def model(self, name, *, timeout=...):
+        """GetModel: the attention.v1.ModelConfig of `name`; NOT_FOUND if unknown."""
+        return self._call(self._stub.GetModel, model_pb2.GetModelRequest(name=name),
+                          timeout).config
+
+    def health(self, service="", *, timeout=...):
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ..."""
+        return _channel.health_status(
+            self._call(self._health, _channel.health_request(service), timeout))
+
+    def get_session(self, id, *, timeout=...):
+        """GetSession: an attention.v1.SessionInfo; NOT_FOUND when not open."""
+        return self._call(self._stub.GetSession, service_pb2.GetSessionRequest(id=id), timeout)
+
+    def close_sessions(self, ids, *, timeout=...):
+        """CloseSessions: a CloseSessionsResponse listing `closed` and `not_found`."""
+        return self._call(self._stub.CloseSessions, service_pb2.CloseSessionsRequest(ids=ids),
+                          timeout)
+
+
+class Session(_session.SessionBase):
+    """One session (Client.session). step() sends rows, close() ends it; a
+    with block closes it. Thread-compatible: one Session per decoder."""
+
+    def step(self, query, key=None, value=None, *, timeout=...):
+        """Sends `query` and appends `key` and `value` (absent: key = query,
+        value = key) to the session: a batch of one, [1, S_new, E]
+        ([S_new, 1, E] with layout="sequence_first") or [1, H, S_new, D].
+        The first step creates the session. Returns the Answer, over every row
+        the session holds; a failed step changes nothing."""
+        core = self._core
+        step = core.prepare(query, key, value)
+        try:
+            raw = self._client._call(self._client._attend, core.request(step), timeout)
+        except grpc.RpcError as e:
+            if not core.may_recreate(e):
+                raise
+            request, base = core.recreation(step)
+            answer = _wire.decode(self._client._call(self._client._attend, request, timeout),
+                                  step[3])
+            core.advance(step, base, answer, recreated=True)
+            return answer
+        answer = _wire.decode(raw, step[3])
+        core.advance(step, core.position, answer)
+        return answer
+
+    def close(self, *, timeout=...):
+        """Closes the session on the server (OK if it no longer had it); later
+        steps fail FAILED_PRECONDITION."""
+        if self._core.closed:
+            return
+        if self._core.created:
+            self._client.close_sessions([self.id], timeout=timeout)
+        self._core.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,40 @@
+"""The one exception type of the package."""
+import grpc
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class AttentionError(grpc.RpcError):
+    """A call that failed: `code()` is the grpc.StatusCode (the server's, or
+    INVALID_ARGUMENT for arguments refused before sending), `details()` the
+    server's message; str() gives both, "INVALID_ARGUMENT: query: ...".
+    A grpc.RpcError, so handlers of gRPC errors catch it too."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code.name}: {message}")
+        self._code = code
+        self._message = message
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._message
+
+
+def invalid(message):
+    return AttentionError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def code_of(number):
+    """The grpc.StatusCode numbered `number` (UNKNOWN for others)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def from_rpc_error(error):
+    """An AttentionError from a grpc.RpcError (or grpc.aio.AioRpcError)."""
+    if isinstance(error, AttentionError):
+        return error
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    return AttentionError(code or grpc.StatusCode.UNKNOWN, details or "")

@@ -1,0 +1,201 @@
+"""A session's state, shared by the blocking and the asyncio clients: what
+client/session.h does in C++. The id and positions are filled in, the first
+step creates the session, and with keep_rows every key and value row sent is
+kept so that a step answered NOT_FOUND is retried once as a recreation: one
+create request carrying every kept row and then the step's, whose answer is
+the step's answer."""
+import uuid
+
+import grpc
+import numpy as np
+
+from attention_client import _request, _wire
+from attention_client._errors import AttentionError, invalid
+from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2
+
+_MAX_ID_BYTES = 128
+_STEP_FIELDS = ("query", "key", "value", "id")
+
+
+class _RowLog:
+    """The rows of one input (keys or values) sent so far, in order."""
+
+    def __init__(self, name):
+        self.name = name
+        self.dtype = None
+        self.axis = None
+        self.dims = None  # the shape of all kept rows
+        self.parts = []
+
+    def check(self, rows, axis):
+        if self.dims is None:
+            return
+        same = rows.dtype == self.dtype and axis == self.axis and len(rows.shape) == len(self.dims)
+        same = same and all(d == axis or rows.shape[d] == self.dims[d] for d in range(len(self.dims)))
+        if not same:
+            raise invalid(
+                f"{self.name}: {tensor_pb2.Tensor.DType.Name(rows.dtype)} {list(rows.shape)} cannot "
+                f"follow the session's kept {tensor_pb2.Tensor.DType.Name(self.dtype)} rows "
+                f"{list(self.dims)} (keep_rows needs one dtype, and one shape but for the rows)")
+
+    def append(self, rows, axis):
+        if self.dims is None:
+            self.dtype, self.axis = rows.dtype, axis
+            self.dims = list(rows.shape)
+            self.dims[axis] = 0
+        self.parts.append(np.array(rows.array, copy=True))
+        self.dims[axis] += rows.shape[axis]
+
+    def with_rows(self, rows, axis):
+        """Every kept row followed by those of `rows`, as one WireTensor."""
+        if not self.parts:
+            return rows
+        self.check(rows, axis)
+        array = np.concatenate(self.parts + [rows.array], axis=axis)
+        return _wire.WireTensor(self.dtype, array.shape, array)
+
+    @property
+    def nbytes(self):
+        return sum(p.nbytes for p in self.parts)
+
+
+class SessionCore:
+    """The state of one session; the clients' Session classes do the calls."""
+
+    def __init__(self, session_id, keep_rows, cache_dtype, fields):
+        if session_id is None:
+            session_id = uuid.uuid4().hex
+        session_id = str(session_id)
+        if not 1 <= len(session_id.encode()) <= _MAX_ID_BYTES:
+            raise invalid(f'session id "{session_id}" has {len(session_id.encode())} bytes; '
+                          f"want 1 to {_MAX_ID_BYTES}")
+        taken = [f for f in _STEP_FIELDS if f in fields]
+        if taken:
+            raise invalid(f"session {session_id}: {', '.join(taken)} are set by step(), not by "
+                          "session()")
+        self.cache_dtype = _request.dtype_enum("cache_dtype", cache_dtype)
+        if self.cache_dtype not in (tensor_pb2.Tensor.FLOAT32, tensor_pb2.Tensor.BFLOAT16):
+            raise invalid(f"session {session_id}: cache_dtype {cache_dtype!r} is not float32 or "
+                          "bfloat16")
+        unknown = set(fields) - _request.FIELDS
+        if unknown:
+            raise invalid(f"session {session_id}: unknown field(s) {', '.join(sorted(unknown))}")
+        self.id = session_id
+        self.fields = dict(fields)
+        self.sequence_first = fields.get("layout") is not None and _request._enum(
+            "layout", attention_pb2.AttendRequest.Layout,
+            fields["layout"]) == attention_pb2.AttendRequest.SEQUENCE_FIRST
+        self.position = 0
+        self.created = False
+        self.closed = False
+        self.recreations = 0
+        self.keys = _RowLog("key") if keep_rows else None
+        self.values = _RowLog("value") if keep_rows else None
+
+    def _axis(self, name, rows):
+        if len(rows.shape) == 3:
+            return 0 if self.sequence_first else 1
+        if len(rows.shape) == 4:
+            return 2
+        raise invalid(f"{name}: shape {list(rows.shape)} is not rank 3 or 4, as a session's rows are")
+
+    def prepare(self, query, key, value):
+        """A step: (query, key, value as WireTensors or None, kind of the answer)."""
+        if self.closed:
+            raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, f"session {self.id} is closed")
+        kind = _wire.kind_of(query)
+        q = _wire.to_wire("query", query)
+        k = None if key is None else _wire.to_wire("key", key)
+        v = None if value is None else _wire.to_wire("value", value)
+        step = (q, k, v, kind)
+        if self.keys is not None:
+            keys, values = self._rows(step)
+            self.keys.check(keys, self._axis("key", keys))
+            self.values.check(values, self._axis("value", values))
+        return step
+
+    @staticmethod
+    def _rows(step):
+        q, k, v, _ = step
+        keys = k if k is not None else q
+        return keys, v if v is not None else keys
+
+    def request(self, step):
+        """The bytes of `step` at the session's position."""
+        q, k, v, kind = step
+        spec = attention_pb2.SessionSpec(ids=[self.id], positions=[self.position])
+        if not self.created:
+            spec.create = True
+            spec.cache_dtype = self.cache_dtype
+        return _request.build(q, k, v, self.fields, spec)[0]
+
+    def may_recreate(self, error):
+        """Whether a step that failed with `error` is retried as a recreation."""
+        return (error.code() == grpc.StatusCode.NOT_FOUND and self.created and
+                self.keys is not None)
+
+    def recreation(self, step):
+        """The bytes of `step` as a create request over every kept row, and the
+        position it is sent at."""
+        q, _, _, kind = step
+        keys, values = self._rows(step)
+        all_keys = self.keys.with_rows(keys, self._axis("key", keys))
+        all_values = self.values.with_rows(values, self._axis("value", values))
+        spec = attention_pb2.SessionSpec(ids=[self.id], positions=[0], create=True,
+                                         cache_dtype=self.cache_dtype)
+        base = all_keys.shape[self._axis("key", keys)] - keys.shape[self._axis("key", keys)]
+        return _request.build(q, all_keys, all_values, self.fields, spec)[0], base
+
+    def advance(self, step, base, answer, recreated=False):
+        """After an OK answer to `step` sent at position `base`."""
+        self.created = True
+        keys, values = self._rows(step)
+        if len(answer.session_positions) == 1:
+            self.position = answer.session_positions[0]
+        else:
+            self.position = base + keys.shape[self._axis("key", keys)]
+        if recreated:
+            self.recreations += 1
+        if self.keys is not None:
+            self.keys.append(keys, self._axis("key", keys))
+            self.values.append(values, self._axis("value", values))
+
+    @property
+    def kept_bytes(self):
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class SessionBase:
+    """What the blocking and asyncio Session share: the read-only state."""
+
+    def __init__(self, client, core):
+        self._client = client
+        self._core = core
+
+    @property
+    def id(self):
+        """The session's id."""
+        return self._core.id
+
+    @property
+    def position(self):
+        """Rows the server holds after the last answered step: the next position."""
+        return self._core.position
+
+    @property
+    def open(self):
+        """A step created the session and close() has not been called."""
+        return self._core.created and not self._core.closed
+
+    @property
+    def recreations(self):
+        """Steps answered by recreating the session from the kept rows."""
+        return self._core.recreations
+
+    @property
+    def kept_bytes(self):
+        """Bytes of the kept key and value rows (0 without keep_rows)."""
+        return self._core.kept_bytes
+
+    def __repr__(self):
+        return f"Session(id={self.id!r}, position={self.position}, open={self.open})"

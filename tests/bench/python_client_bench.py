@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""The Python client's two targets (issue 22), against a server it starts on
+127.0.0.1:0:
+
+1. Overhead: calls/s of Client.attend (numpy, and torch) for B1 H8 L=S=128
+   D64, against a raw grpcio call sending the same request pre-serialized
+   (bytes in, bytes out, nothing encoded or decoded). Rounds alternate, so
+   drift hits every variant alike. Target: client >= 0.8x raw.
+2. Copies: what one call with a 24 MiB request allocates at its peak, in
+   units of the request's bytes, two ways: tracemalloc (Python objects and
+   numpy buffers: the copies made in Python; grpcio's C core and protobuf's
+   C++ allocations are not traced), and the process's peak RSS over its RSS
+   before the call (/proc/self/clear_refs resets the peak: every copy,
+   grpcio's own included). Beside it, protobuf's own encoding
+   (Tensor.data = array.tobytes(), SerializeToString) through the raw call.
+   Target: at most one copy in Python beyond grpcio's own.
+
+    .venv/bin/python tests/bench/python_client_bench.py --server build/attention_server
+    # or: PYTHONPATH=build/python /usr/bin/python3 tests/bench/python_client_bench.py ...
+"""
+import argparse
+import os
+import sys
+import time
+import tracemalloc
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client",
+                                "python"))
+import attention_client  # noqa: E402
+from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2  # noqa: E402
+from server_fixture import Server  # noqa: E402
+
+MiB = 1 << 20
+
+
+def protobuf_request(q, k, v):
+    def tensor(a):
+        return tensor_pb2.Tensor(dtype=tensor_pb2.Tensor.FLOAT32, shape=a.shape, data=a.tobytes())
+    return attention_pb2.AttendRequest(query=tensor(q), key=tensor(k), value=tensor(v))
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def rate(call, seconds):
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        call()
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+def overhead(target, seconds, rounds):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 128, 64)).astype(np.float32) for _ in range(3))
+    client = attention_client.Client(target)
+    raw_channel = grpc.insecure_channel(target)
+    raw_attend = raw_channel.unary_unary("/attention.v1.AttentionService/Attend")
+    request = protobuf_request(q, k, v).SerializeToString()
+    variants = {
+        "raw grpcio, pre-serialized bytes": lambda: raw_attend(request, timeout=30),
+        "Client.attend numpy": lambda: client.attend(q, k, v),
+    }
+    try:
+        import torch
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        variants["Client.attend torch"] = lambda: client.attend(tq, tk, tv)
+    except ImportError:
+        pass
+    for call in variants.values():  # warm up
+        rate(call, 0.3)
+    results = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, call in variants.items():
+            results[name].append(rate(call, seconds))
+    raw = np.median(results["raw grpcio, pre-serialized bytes"])
+    print(f"overhead: B1 H8 L=S=128 D64 float32 ({len(request) / MiB:.2f} MiB request), "
+          f"{rounds} rounds of {seconds} s, median calls/s")
+    for name, rates in results.items():
+        med = np.median(rates)
+        print(f"  {name:36s} {med:8.1f} calls/s  {med / raw:5.2f}x raw  "
+              f"(rounds: {', '.join(f'{r:.0f}' for r in rates)})")
+    # The client's own work per call, apart from the call: encoding the
+    # request and decoding an answer.
+    from attention_client import _request, _wire
+    raw_request, kind = _request.build(q, k, v, {})
+    answer = raw_attend(raw_request, timeout=30)
+    for label, work in (("encode", lambda: _request.build(q, k, v, {})),
+                        ("decode", lambda: _wire.decode(answer, kind))):
+        n = 300
+        start = time.perf_counter()
+        for _ in range(n):
+            work()
+        print(f"  client {label} alone: {(time.perf_counter() - start) / n * 1e6:.0f} us per call")
+    client.close()
+    raw_channel.close()
+
+
+def copies(target):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 8, 6144, 64)).astype(np.float32) for _ in range(2))
+    request_bytes = k.nbytes + v.nbytes + q.nbytes
+    client = attention_client.Client(target)
+    raw_channel = grpc.insecure_channel(target, options=[
+        ("grpc.max_send_message_length", 256 * MiB)])
+    raw_attend = raw_channel.unary_unary("/attention.v1.AttentionService/Attend")
+    client.attend(q, k, v)  # connect and warm up outside the measurement
+
+    def peak(call):
+        """(tracemalloc peak, peak RSS growth) of call(), in bytes."""
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        rss = _status_kib("VmRSS")
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        call()
+        traced = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+        return traced, (_status_kib("VmHWM") - rss) * 1024
+
+    measured = {
+        "Client.attend numpy": peak(lambda: client.attend(q, k, v)),
+        "protobuf-built request + raw call": peak(
+            lambda: raw_attend(protobuf_request(q, k, v).SerializeToString(), timeout=60)),
+    }
+    try:
+        import torch
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        measured["Client.attend torch"] = peak(lambda: client.attend(tq, tk, tv))
+    except ImportError:
+        pass
+    print(f"copies: a {request_bytes / MiB:.1f} MiB request (q [1,8,1,64], k and v "
+          f"[1,8,6144,64] float32), tracemalloc peak of one call")
+    print(f"  {'':36s} {'tracemalloc (Python)':>28s}   {'peak RSS growth (all)':>28s}")
+    for name, (traced, rss) in measured.items():
+        print(f"  {name:36s} {traced / MiB:7.1f} MiB = {traced / request_bytes:4.2f} copies   "
+              f"{rss / MiB:7.1f} MiB = {rss / request_bytes:4.2f} copies")
+    client.close()
+    raw_channel.close()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--server", default="build/attention_server", help="attention_server binary")
+    p.add_argument("--seconds", type=float, default=2.0, help="per round and variant")
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args()
+    os.environ["ATTENTION_SERVER"] = a.server
+    server = Server()
+    try:
+        with attention_client.Client(server.target) as c:
+            server.wait_serving(c)
+        overhead(server.target, a.seconds, a.rounds)
+        copies(server.target)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""attention_client.Client against a real server: info, bfloat16 and float16
+round trips, errors, deadlines, streams, sessions, TLS and bearer tokens."""
+import os
+import subprocess
+import tempfile
+import unittest
+
+import grpc
+import numpy as np
+import torch
+
+import attention_client
+from attention_client import AttentionError
+from reference import attention
+from server_fixture import Server
+
+
+def setUpModule():
+    global server, client
+    server = Server()
+    client = attention_client.Client(server.target, timeout=30)
+    server.wait_serving(client)
+
+
+def tearDownModule():
+    client.close()
+    server.stop()
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+def randn(seed, *shape):
+    return rng(seed).standard_normal(shape).astype(np.float32)
+
+
+class InfoTest(unittest.TestCase):
+    def test_server_info_models_model_and_health(self):
+        info = client.server_info()
+        self.assertTrue(info.version)
+        self.assertGreater(info.limits.max_message_bytes, 0)
+        self.assertIn("demo", [m.name for m in client.models()])
+        demo = client.model("demo")
+        self.assertEqual((demo.embed_dim, demo.num_heads), (64, 4))
+        self.assertEqual(client.health(), "SERVING")
+
+
+class DTypeTest(unittest.TestCase):
+    # One key: every weight is exactly 1, so the output is the value itself and
+    # any rounding through float32 on the way would show.
+    def one_key(self, dtype, seed, exponents=20):
+        g = torch.Generator().manual_seed(seed)
+        scale = 2.0 ** torch.randint(-exponents, exponents, (1, 2, 1, 16), generator=g)
+        v = (torch.randn(1, 2, 1, 16, generator=g) * scale).to(dtype)
+        q = torch.randn(1, 2, 3, 16, generator=g).to(dtype)
+        return q, torch.randn(1, 2, 1, 16, generator=g).to(dtype), v
+
+    def test_bfloat16_round_trips_bit_exactly(self):
+        q, k, v = self.one_key(torch.bfloat16, 1)
+        out = client.attend(q, k, v, output_dtype="bfloat16").output
+        self.assertEqual(out.dtype, torch.bfloat16)
+        want = v.expand(1, 2, 3, 16)
+        self.assertTrue(torch.equal(out.view(torch.int16), want.contiguous().view(torch.int16)))
+
+    def test_float16_round_trips_bit_exactly(self):
+        q, k, v = self.one_key(torch.float16, 2, exponents=8)
+        out = client.attend(q, k, v, output_dtype=torch.float16).output
+        self.assertEqual(out.dtype, torch.float16)
+        self.assertTrue(torch.equal(out.view(torch.int16),
+                                    v.expand(1, 2, 3, 16).contiguous().view(torch.int16)))
+
+    def test_bfloat16_answer_to_numpy_is_its_exact_float32_widening(self):
+        q, k, v = self.one_key(torch.bfloat16, 3)
+        out = client.attend(q.float().numpy(), k.float().numpy(), v.float().numpy(),
+                            output_dtype="BFLOAT16").output
+        self.assertEqual(out.dtype, np.float32)
+        np.testing.assert_array_equal(out, v.float().expand(1, 2, 3, 16).numpy())
+
+    def test_answers_are_writable_and_on_the_query_device_kind(self):
+        q = torch.from_numpy(randn(4, 1, 3, 8))
+        out = client.attend(q).output
+        out += 1  # writable: owns its memory
+        self.assertEqual(out.device, q.device)
+
+
+class ErrorTest(unittest.TestCase):
+    def test_server_errors_carry_code_and_message(self):
+        with self.assertRaises(AttentionError) as e:
+            client.attend(randn(5, 2, 3, 4), valid_lens=np.array([1, 2, 3]))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("mask.valid_lens", e.exception.details())
+        self.assertIn("INVALID_ARGUMENT", str(e.exception))
+        self.assertIsInstance(e.exception, grpc.RpcError)
+
+    def test_unknown_model_is_not_found(self):
+        with self.assertRaises(AttentionError) as e:
+            client.attend(randn(6, 1, 2, 64), model="nope")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertIn('model: "nope"', e.exception.details())
+        with self.assertRaises(AttentionError) as e:
+            client.model("nope")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+    def test_arguments_refused_before_sending_are_invalid_argument(self):
+        for call, text in [
+            (lambda: client.attend(randn(7, 1, 2, 4), heads=2), "unknown field(s) heads"),
+            (lambda: client.attend(np.zeros((1, 2, 4), np.uint8)), "query: numpy dtype uint8"),
+            (lambda: client.attend(randn(7, 1, 2, 4), score="softmax"), "score: 'softmax'"),
+            (lambda: client.attend(randn(7, 1, 2, 4), causal="left"), "causal: 'left'"),
+        ]:
+            with self.subTest(text=text), self.assertRaises(AttentionError) as e:
+                call()
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(text, e.exception.details())
+
+    def test_a_call_longer_than_its_timeout_is_deadline_exceeded(self):
+        # 34 GFLOP: several hundred ms of compute on any machine, against 50 ms.
+        long_call = np.ones((1, 4, 4096, 128), np.float32)
+        with self.assertRaises(AttentionError) as e:
+            client.attend(long_call, timeout=0.05)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class FieldsTest(unittest.TestCase):
+    def test_heads_layout_causal_and_weights(self):
+        q, k, v = randn(9, 3, 2, 8), randn(10, 5, 2, 8), randn(11, 5, 2, 8)  # [L, B, E]
+        answer = client.attend(q, k, v, num_heads=2, layout="sequence_first",
+                               causal="bottom_right", need_weights=True, average_weights=True)
+        heads = lambda x: x.transpose(1, 0, 2).reshape(2, -1, 2, 4).transpose(0, 2, 1, 3)
+        want = attention(heads(q), heads(k), heads(v), causal_bottom_right=True)
+        want = want.transpose(2, 0, 1, 3).reshape(3, 2, 8)  # back to [L, B, E]
+        np.testing.assert_allclose(answer.output, want, rtol=1e-5, atol=1e-5)
+        self.assertEqual(answer.weights.shape, (2, 3, 5))
+        np.testing.assert_allclose(answer.weights.sum(-1), 1, rtol=1e-5)
+
+    def test_scores_masks_dropout_and_precision_reach_the_server(self):
+        q = randn(12, 1, 1, 4, 8)
+        kw = dict(score="dot", scale=None, attn_mask=np.array([[False, True, True, True]]),
+                  precision="fast", seed=7)
+        np.testing.assert_allclose(client.attend(q, **kw).output[0, 0, 0], q[0, 0, 0], rtol=2e-2)
+        a = client.attend(q, need_weights=True, dropout_p=0.5, seed=3).weights
+        b = client.attend(q, need_weights=True, dropout_p=0.5, seed=3).weights
+        np.testing.assert_array_equal(a, b)
+        self.assertTrue((a == 0).any())
+        cos = client.attend(q, score="cosine", scale=10.0, need_weights=True).weights
+        plain = client.attend(q, score="cosine", need_weights=True).weights
+        self.assertFalse(np.allclose(cos, plain))
+        gauss = client.attend(q, score="gaussian", bandwidth=0.5, need_weights=True).weights
+        np.testing.assert_allclose(gauss.sum(-1), 1, rtol=1e-5)
+
+
+class StreamTest(unittest.TestCase):
+    def test_answers_carry_ids_and_a_bad_request_does_not_end_the_stream(self):
+        q1, q2 = randn(13, 1, 2, 3, 4), torch.from_numpy(randn(14, 1, 2, 5, 4))
+        requests = [{"query": q1, "id": "a"},
+                    {"query": q2},
+                    {"query": q1, "valid_lens": np.array([1, 2, 3])},
+                    {"query": q1, "model": "nope", "id": "z"}]
+        answers = {a.id: a for a in client.attend_stream(iter(requests), need_weights=True)}
+        self.assertEqual(sorted(answers), ["1", "2", "a", "z"])
+        np.testing.assert_allclose(answers["a"].output, attention(q1, q1, q1), rtol=1e-5,
+                                   atol=1e-6)
+        self.assertIsNotNone(answers["a"].weights)
+        self.assertIsInstance(answers["1"].output, torch.Tensor)
+        self.assertEqual(tuple(answers["1"].output.shape), (1, 2, 5, 4))
+        self.assertEqual(answers["2"].error.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("mask.valid_lens", answers["2"].error.details())
+        self.assertIsNone(answers["2"].output)
+        self.assertEqual(answers["z"].error.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertIsNone(answers["a"].error)
+
+    def test_a_failed_stream_raises(self):
+        with attention_client.Client("127.0.0.1:1", timeout=5) as nowhere:
+            with self.assertRaises(AttentionError) as e:
+                list(nowhere.attend_stream([{"query": randn(15, 1, 2, 4)}]))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+
+
+class SessionTest(unittest.TestCase):
+    def stateless(self, q, keys):
+        return attention(q, keys, keys, causal_bottom_right=True)
+
+    def test_steps_equal_the_stateless_answer_over_every_row(self):
+        rows = randn(16, 1, 2, 6, 8)  # [1, H, S, D]
+        with client.session(causal="bottom_right") as s:
+            first = s.step(rows[:, :, :4])
+            self.assertEqual(s.position, 4)
+            np.testing.assert_allclose(first.output, self.stateless(rows[:, :, :4], rows[:, :, :4]),
+                                       rtol=1e-5, atol=1e-6)
+            for i in (4, 5):
+                answer = s.step(rows[:, :, i:i + 1])
+                self.assertEqual(answer.session_positions, [i + 1])
+                np.testing.assert_allclose(answer.output,
+                                           self.stateless(rows[:, :, i:i + 1], rows[:, :, :i + 1]),
+                                           rtol=1e-5, atol=1e-6)
+            self.assertEqual(client.get_session(s.id).position, 6)
+            self.assertTrue(s.open)
+        self.assertFalse(s.open)
+        with self.assertRaises(AttentionError) as e:
+            s.step(rows[:, :, :1])
+        self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        with self.assertRaises(AttentionError) as e:
+            client.get_session(s.id)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+    def test_kept_rows_recreate_a_session_the_server_lost(self):
+        rows = torch.from_numpy(randn(17, 1, 2, 5, 8))
+        s = client.session(keep_rows=True, causal="bottom_right", cache_dtype="float32")
+        s.step(rows[:, :, :3])
+        s.step(rows[:, :, 3:4])
+        self.assertEqual(s.kept_bytes, 2 * 4 * 2 * 8 * 4)
+        self.assertEqual(list(client.close_sessions([s.id]).closed), [s.id])
+        answer = s.step(rows[:, :, 4:5])
+        self.assertEqual((s.recreations, s.position), (1, 5))
+        self.assertIsInstance(answer.output, torch.Tensor)
+        np.testing.assert_allclose(answer.output.numpy(),
+                                   self.stateless(rows[:, :, 4:5].numpy(), rows.numpy()),
+                                   rtol=1e-5, atol=1e-6)
+        self.assertEqual(client.get_session(s.id).position, 5)
+        s.close()
+
+    def test_without_kept_rows_a_lost_session_is_not_found(self):
+        s = client.session("py-lost", causal="bottom_right")
+        s.step(randn(18, 1, 2, 2, 8))
+        client.close_sessions(["py-lost"])
+        with self.assertRaises(AttentionError) as e:
+            s.step(randn(19, 1, 2, 1, 8))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertIn("py-lost", e.exception.details())
+        self.assertEqual(s.position, 2)
+
+    def test_rows_that_cannot_follow_the_kept_ones_are_refused_unsent(self):
+        s = client.session(keep_rows=True, num_heads=2, causal="bottom_right")
+        s.step(randn(20, 1, 3, 8))
+        with self.assertRaises(AttentionError) as e:
+            s.step(randn(21, 1, 1, 6))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("cannot follow the session's kept", e.exception.details())
+        self.assertEqual((s.position, client.get_session(s.id).position), (3, 3))
+        s.close()
+
+    def test_a_taken_id_and_a_wrong_position_are_the_servers_errors(self):
+        a = client.session("py-taken", model="demo")
+        a.step(randn(22, 1, 2, 64))
+        b = client.session("py-taken", model="demo")
+        with self.assertRaises(AttentionError) as e:
+            b.step(randn(23, 1, 2, 64))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+        a._core.position = 7  # as if another writer's step had been lost
+        with self.assertRaises(AttentionError) as e:
+            a.step(randn(24, 1, 1, 64))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+        a.close()
+
+    def test_bad_session_arguments(self):
+        for kwargs, text in [({"id": "x" * 129}, "want 1 to 128"),
+                             ({"cache_dtype": "float16"}, "cache_dtype"),
+                             ({"query": randn(25, 1, 1, 4)}, "set by step()")]:
+            with self.subTest(text=text), self.assertRaises(AttentionError) as e:
+                client.session(**kwargs)
+            self.assertIn(text, e.exception.details())
+
+
+_OPENSSL_CNF = """[req]
+distinguished_name = dn
+prompt = no
+[dn]
+CN = unused
+[ca_ext]
+basicConstraints = critical,CA:TRUE
+keyUsage = critical,keyCertSign,cRLSign
+[server_ext]
+basicConstraints = critical,CA:FALSE
+keyUsage = critical,digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = DNS:localhost,IP:127.0.0.1
+"""
+
+
+def make_certs(folder):
+    """A CA and a server certificate for 127.0.0.1 signed by it, with openssl."""
+    with open(os.path.join(folder, "openssl.cnf"), "w") as f:
+        f.write(_OPENSSL_CNF)
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    run = lambda *args: subprocess.run(["openssl", *args], cwd=folder, check=True,
+                                       capture_output=True, timeout=30)
+    run("req", "-x509", "-config", "openssl.cnf", "-extensions", "ca_ext", *key, "-days", "2",
+        "-subj", "/CN=attention test CA", "-keyout", "ca.key", "-out", "ca.pem")
+    run("req", "-new", "-config", "openssl.cnf", *key, "-subj", "/CN=localhost",
+        "-keyout", "server.key", "-out", "server.csr")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-set_serial", "2", "-days", "2", "-extfile", "openssl.cnf", "-extensions", "server_ext",
+        "-out", "server.pem")
+
+
+class SecurityTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory(prefix="attention_py_tls_")
+        d = cls.dir.name
+        make_certs(d)
+        with open(os.path.join(d, "token"), "w") as f:
+            f.write("s3cret\n")
+        cls.server = Server(flags=["--tls_cert", f"{d}/server.pem", "--tls_key", f"{d}/server.key",
+                                   "--auth_token_file", f"{d}/token"])
+        cls.ca = os.path.join(d, "ca.pem")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+        cls.dir.cleanup()
+
+    def test_tls_with_the_token_is_served(self):
+        with attention_client.Client(self.server.target, tls_ca=self.ca, token="s3cret") as c:
+            self.server.wait_serving(c)
+            self.assertEqual(c.attend(randn(26, 1, 2, 4)).output.shape, (1, 2, 4))
+            self.assertTrue(c.server_info().version)
+
+    def test_a_missing_or_wrong_token_is_unauthenticated_but_health_is_exempt(self):
+        with open(self.ca, "rb") as f:
+            ca_bytes = f.read()
+        for token in (None, "wrong"):
+            with attention_client.Client(self.server.target, tls_ca=ca_bytes, token=token) as c:
+                self.server.wait_serving(c)
+                with self.assertRaises(AttentionError) as e:
+                    c.attend(randn(27, 1, 2, 4))
+                self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+
+    def test_plaintext_to_a_tls_server_fails_unavailable(self):
+        with attention_client.Client(self.server.target, token="s3cret", timeout=5) as c:
+            with self.assertRaises(AttentionError) as e:
+                c.health()
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+
+
+if __name__ == "__main__":
+    unittest.main()
