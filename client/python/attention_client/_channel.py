@@ -37,6 +37,9 @@ def _read(option, value):
         raise invalid(f"{option}: cannot read {value}: {e.strerror}") from None
 
 
+AFFINITY_HEADER = "attention-affinity"
+
+
 class Settings:
     """A client's arguments, checked: the channel's options and credentials,
     and each call's metadata and default timeout."""
@@ -69,6 +72,14 @@ class Settings:
                 root_certificates=_read("tls_ca", tls_ca),
                 private_key=_read("tls_key", tls_key),
                 certificate_chain=_read("tls_cert", tls_cert))
+
+    def call_metadata(self, affinity):
+        """A call's metadata: the token's, and "attention-affinity" when the
+        call belongs to a session (docs/sessions.md, "Sessions across
+        replicas"): a proxy hashing on it keeps the session on one replica."""
+        if not affinity:
+            return self.metadata
+        return (self.metadata or ()) + ((AFFINITY_HEADER, str(affinity)),)
 
     def call_timeout(self, timeout):
         """The deadline of one call: its own timeout, or the client's."""

@@ -41,10 +41,10 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, method, request, timeout):
+    def _call(self, method, request, timeout, affinity=None):
         try:
             return method(request, timeout=self._settings.call_timeout(timeout),
-                          metadata=self._settings.metadata)
+                          metadata=self._settings.call_metadata(affinity))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -88,14 +88,16 @@ class Client:
         finally:
             call.cancel()
 
-    def session(self, id=None, *, keep_rows=False, cache_dtype="float32", **fields):
+    def session(self, id=None, *, keep_rows=False, cache_dtype="float32", affinity=None,
+                **fields):
         """A Session: keys and values kept on the server between steps.
         `id` (default: a random one) must not be open on the server; `fields`
         are what every step sends besides its rows (model or num_heads and
         score, causal="bottom_right", layout, ...); cache_dtype "float32" or
         "bfloat16"; keep_rows keeps every row sent, to recreate the session
-        when the server answers NOT_FOUND."""
-        return Session(self, _session.SessionCore(id, keep_rows, cache_dtype, fields))
+        when the server answers NOT_FOUND. Every call of the session carries
+        "attention-affinity": `affinity` (a group id of the caller's), or the id."""
+        return Session(self, _session.SessionCore(id, keep_rows, cache_dtype, fields, affinity))
 
     def server_info(self, *, timeout=...):
         """GetServerInfo: an attention.v1.ServerInfo message."""
@@ -116,14 +118,18 @@ class Client:
         return _channel.health_status(
             self._call(self._health, _channel.health_request(service), timeout))
 
-    def get_session(self, id, *, timeout=...):
-        """GetSession: an attention.v1.SessionInfo; NOT_FOUND when not open."""
-        return self._call(self._stub.GetSession, service_pb2.GetSessionRequest(id=id), timeout)
+    def get_session(self, id, *, timeout=..., affinity=None):
+        """GetSession: an attention.v1.SessionInfo; NOT_FOUND when not open.
+        Sent with "attention-affinity": `affinity`, or the id."""
+        return self._call(self._stub.GetSession, service_pb2.GetSessionRequest(id=id), timeout,
+                          affinity or id)
 
-    def close_sessions(self, ids, *, timeout=...):
-        """CloseSessions: a CloseSessionsResponse listing `closed` and `not_found`."""
+    def close_sessions(self, ids, *, timeout=..., affinity=None):
+        """CloseSessions: a CloseSessionsResponse listing `closed` and `not_found`.
+        Sent with "attention-affinity": `affinity`, or the first id."""
+        ids = list(ids)
         return self._call(self._stub.CloseSessions, service_pb2.CloseSessionsRequest(ids=ids),
-                          timeout)
+                          timeout, affinity or (ids[0] if ids else None))
 
 
 class Session(_session.SessionBase):
@@ -139,12 +145,14 @@ class Session(_session.SessionBase):
         core = self._core
         step = core.prepare(query, key, value)
         try:
-            raw = self._client._call(self._client._attend, core.request(step), timeout)
+            raw = self._client._call(self._client._attend, core.request(step), timeout,
+                                     core.affinity)
         except grpc.RpcError as e:
             if not core.may_recreate(e):
                 raise
             request, base = core.recreation(step)
-            answer = _wire.decode(self._client._call(self._client._attend, request, timeout),
+            answer = _wire.decode(self._client._call(self._client._attend, request, timeout,
+                                                      core.affinity),
                                   step[3])
             core.advance(step, base, answer, recreated=True)
             return answer
@@ -158,7 +166,8 @@ class Session(_session.SessionBase):
         if self._core.closed:
             return
         if self._core.created:
-            self._client.close_sessions([self.id], timeout=timeout)
+            self._client.close_sessions([self.id], timeout=timeout,
+                                              affinity=self._core.affinity)
         self._core.closed = True
 
     def __enter__(self):

@@ -62,7 +62,7 @@ class _RowLog:
 class SessionCore:
     """The state of one session; the clients' Session classes do the calls."""
 
-    def __init__(self, session_id, keep_rows, cache_dtype, fields):
+    def __init__(self, session_id, keep_rows, cache_dtype, fields, affinity=None):
         if session_id is None:
             session_id = uuid.uuid4().hex
         session_id = str(session_id)
@@ -81,6 +81,8 @@ class SessionCore:
         if unknown:
             raise invalid(f"session {session_id}: unknown field(s) {', '.join(sorted(unknown))}")
         self.id = session_id
+        # "attention-affinity" of every call of the session.
+        self.affinity = str(affinity) if affinity else session_id
         self.fields = dict(fields)
         self.sequence_first = fields.get("layout") is not None and _request._enum(
             "layout", attention_pb2.AttendRequest.Layout,

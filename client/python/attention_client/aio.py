@@ -47,10 +47,10 @@ class Client:
     async def __aexit__(self, *exc):
         await self.close()
 
-    async def _call(self, method, request, timeout):
+    async def _call(self, method, request, timeout, affinity=None):
         try:
             return await method(request, timeout=self._settings.call_timeout(timeout),
-                                metadata=self._settings.metadata)
+                                metadata=self._settings.call_metadata(affinity))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -95,9 +95,10 @@ class Client:
         finally:
             call.cancel()
 
-    def session(self, id=None, *, keep_rows=False, cache_dtype="float32", **fields):
+    def session(self, id=None, *, keep_rows=False, cache_dtype="float32", affinity=None,
+                **fields):
         """As attention_client.Client.session; its step() and close() are coroutines."""
-        return Session(self, _session.SessionCore(id, keep_rows, cache_dtype, fields))
+        return Session(self, _session.SessionCore(id, keep_rows, cache_dtype, fields, affinity))
 
     async def server_info(self, *, timeout=...):
         return await self._call(self._stub.GetServerInfo, service_pb2.GetServerInfoRequest(),
@@ -115,13 +116,15 @@ class Client:
         return _channel.health_status(
             await self._call(self._health, _channel.health_request(service), timeout))
 
-    async def get_session(self, id, *, timeout=...):
+    async def get_session(self, id, *, timeout=..., affinity=None):
         return await self._call(self._stub.GetSession, service_pb2.GetSessionRequest(id=id),
-                                timeout)
+                                timeout, affinity or id)
 
-    async def close_sessions(self, ids, *, timeout=...):
+    async def close_sessions(self, ids, *, timeout=..., affinity=None):
+        ids = list(ids)
         return await self._call(self._stub.CloseSessions,
-                                service_pb2.CloseSessionsRequest(ids=ids), timeout)
+                                service_pb2.CloseSessionsRequest(ids=ids), timeout,
+                                affinity or (ids[0] if ids else None))
 
 
 class Session(_session.SessionBase):
@@ -131,12 +134,14 @@ class Session(_session.SessionBase):
         core = self._core
         step = core.prepare(query, key, value)
         try:
-            raw = await self._client._call(self._client._attend, core.request(step), timeout)
+            raw = await self._client._call(self._client._attend, core.request(step), timeout,
+                                     core.affinity)
         except grpc.RpcError as e:
             if not core.may_recreate(e):
                 raise
             request, base = core.recreation(step)
-            answer = _wire.decode(await self._client._call(self._client._attend, request, timeout),
+            answer = _wire.decode(await self._client._call(self._client._attend, request, timeout,
+                                                      core.affinity),
                                   step[3])
             core.advance(step, base, answer, recreated=True)
             return answer
@@ -148,7 +153,8 @@ class Session(_session.SessionBase):
         if self._core.closed:
             return
         if self._core.created:
-            await self._client.close_sessions([self.id], timeout=timeout)
+            await self._client.close_sessions([self.id], timeout=timeout,
+                                              affinity=self._core.affinity)
         self._core.closed = True
 
     async def __aenter__(self):

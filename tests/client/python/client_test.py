@@ -294,6 +294,53 @@ def make_certs(folder):
         "-out", "server.pem")
 
 
+class AffinityTest(unittest.TestCase):
+    """Session calls carry "attention-affinity" (the id, or the caller's
+    group), for a proxy to route on; other calls none. A stand-in server
+    records each call's metadata and answers NOT_FOUND."""
+
+    def setUp(self):
+        from concurrent import futures
+        self.seen = []
+
+        class Recorder(grpc.GenericRpcHandler):
+            def service(handler, details):
+                metadata = dict(details.invocation_metadata)
+                self.seen.append((details.method.rsplit("/", 1)[-1],
+                                  metadata.get("attention-affinity")))
+
+                def refuse(request, context):
+                    context.abort(grpc.StatusCode.NOT_FOUND, "session not open")
+                return grpc.unary_unary_rpc_method_handler(refuse)
+
+        self.fake = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                                handlers=[Recorder()])
+        port = self.fake.add_insecure_port("127.0.0.1:0")
+        self.fake.start()
+        self.client = attention_client.Client(f"127.0.0.1:{port}", timeout=10)
+
+    def tearDown(self):
+        self.client.close()
+        self.fake.stop(None)
+
+    def test_session_calls_carry_their_affinity(self):
+        s = self.client.session("decoder-3", num_heads=1)
+        with self.assertRaises(AttentionError):
+            s.step(randn(1, 1, 2, 4))
+        grouped = self.client.session("decoder-4", affinity="user-42", num_heads=1)
+        with self.assertRaises(AttentionError):
+            grouped.step(randn(2, 1, 2, 4))
+        with self.assertRaises(AttentionError):
+            self.client.get_session("decoder-5")
+        with self.assertRaises(AttentionError):
+            self.client.close_sessions(["decoder-6", "decoder-7"])
+        with self.assertRaises(AttentionError):
+            self.client.attend(randn(3, 1, 2, 4))
+        self.assertEqual(self.seen, [("Attend", "decoder-3"), ("Attend", "user-42"),
+                                     ("GetSession", "decoder-5"),
+                                     ("CloseSessions", "decoder-6"), ("Attend", None)])
+
+
 class SecurityTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
