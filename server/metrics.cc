@@ -1,12 +1,15 @@
 #include "server/metrics.h"
 
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -17,7 +20,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "engine/attention.h"
@@ -97,12 +103,68 @@ std::string CodeName(int grpc_code) {
   return absl::StatusCodeToString(static_cast<absl::StatusCode>(grpc_code));
 }
 
+// The process collector's metrics of Prometheus's client libraries, from
+// /proc/self: CPU seconds, resident and virtual memory, open files, start
+// time. A value /proc does not give is left out.
+void AppendProcessMetrics(std::string* out) {
+  std::ifstream stat_file("/proc/self/stat");
+  std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
+  // Fields after the command (in parentheses, which may hold spaces): the
+  // 3rd field is the state; utime and stime are the 14th and 15th, starttime
+  // the 22nd, vsize the 23rd, rss (pages) the 24th.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return;
+  std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
+  auto field = [&](size_t n, double* value) {
+    return n - 3 < fields.size() && absl::SimpleAtod(fields[n - 3], value);
+  };
+  const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+  const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
+  double utime, stime, start, vsize, rss;
+  if (field(14, &utime) && field(15, &stime)) {
+    AppendHeader("process_cpu_seconds_total", "counter",
+                 "Total user and system CPU time spent in seconds.", out);
+    AppendSample("process_cpu_seconds_total", "", FormatValue((utime + stime) / ticks), out);
+  }
+  if (field(24, &rss)) {
+    AppendHeader("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", out);
+    AppendSample("process_resident_memory_bytes", "", FormatValue(rss * page), out);
+  }
+  if (field(23, &vsize)) {
+    AppendHeader("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", out);
+    AppendSample("process_virtual_memory_bytes", "", FormatValue(vsize), out);
+  }
+  // starttime is in ticks since boot; the boot time is /proc/stat's btime.
+  std::ifstream proc_stat("/proc/stat");
+  std::string line;
+  double boot = -1;
+  while (std::getline(proc_stat, line)) {
+    if (absl::StartsWith(line, "btime ") && absl::SimpleAtod(line.substr(6), &boot)) break;
+  }
+  if (boot >= 0 && field(22, &start)) {
+    AppendHeader("process_start_time_seconds", "gauge",
+                 "Start time of the process since unix epoch in seconds.", out);
+    AppendSample("process_start_time_seconds", "", FormatValue(boot + start / ticks), out);
+  }
+  std::error_code error;
+  int64_t fds = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", error);
+       !error && it != std::filesystem::directory_iterator(); it.increment(error)) {
+    ++fds;
+  }
+  if (!error) {
+    AppendHeader("process_open_fds", "gauge", "Number of open file descriptors.", out);
+    AppendSample("process_open_fds", "", absl::StrCat(fds), out);
+  }
+}
+
 }  // namespace
 
 const std::vector<double>& Metrics::LatencyBuckets() {
   static const std::vector<double>* const kBounds =
-      new std::vector<double>{0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                              0.05,    0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30};
+      new std::vector<double>{0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+                              0.005,    0.01,    0.025,  0.05,    0.1,    0.25,  0.5,
+                              1,        2.5,     5,      10,      30,     60};
   return *kBounds;
 }
 
@@ -231,6 +293,11 @@ std::string Metrics::RenderPrometheus() const {
   AppendSample("attention_queue_depth", "",
                absl::StrCat(queue_depth_.load(std::memory_order_relaxed)), &out);
 
+  AppendHeader("attention_queue_limit", "gauge",
+               "Requests that may wait for compute (--max_queue); more are refused.", &out);
+  AppendSample("attention_queue_limit", "",
+               absl::StrCat(queue_limit_.load(std::memory_order_relaxed)), &out);
+
   AppendHeader("attention_in_flight", "gauge", "Calls being handled.", &out);
   AppendSample("attention_in_flight", "", absl::StrCat(in_flight_.load(std::memory_order_relaxed)),
                &out);
@@ -240,6 +307,12 @@ std::string Metrics::RenderPrometheus() const {
                &out);
   AppendSample("attention_memory_reserved_bytes", "",
                absl::StrCat(memory_reserved_.load(std::memory_order_relaxed)), &out);
+
+  AppendHeader("attention_memory_budget_bytes", "gauge",
+               "The server's memory budget for calls in flight (--memory_budget_mb); 0: none.",
+               &out);
+  AppendSample("attention_memory_budget_bytes", "",
+               absl::StrCat(memory_budget_.load(std::memory_order_relaxed)), &out);
 
   AppendHeader("attention_engine_pooled_bytes", "gauge",
                "Freed engine output blocks (1 MiB and more) kept for reuse, up to 512 MiB; freed "
@@ -284,10 +357,19 @@ std::string Metrics::RenderPrometheus() const {
             "Sessions ended: closed by their caller, evicted for memory, expired when idle, or "
             "removed again because the request creating them failed.",
             sessions_ended_);
+  AppendHeader("attention_session_cache_limit_bytes", "gauge",
+               "Bytes all sessions' caches may hold (--session_memory_mb); 0: sessions off.",
+               &out);
+  AppendSample("attention_session_cache_limit_bytes", "",
+               absl::StrCat(session_cache_limit_.load(std::memory_order_relaxed)), &out);
   AppendHeader("attention_session_rows_appended_total", "counter",
                "Key/value rows appended to sessions by requests that succeeded.", &out);
   AppendSample("attention_session_rows_appended_total", "",
                absl::StrCat(session_rows_.load(std::memory_order_relaxed)), &out);
+  AppendHeader("attention_build_info", "gauge", "Always 1; the server's version as a label.",
+               &out);
+  AppendSample("attention_build_info", RenderLabels({{"version", ATTENTION_VERSION}}), "1", &out);
+  AppendProcessMetrics(&out);
   return out;
 }
 

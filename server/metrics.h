@@ -34,11 +34,17 @@ namespace attention::server {
 //   attention_sessions_open, attention_session_cache_bytes gauges
 //   attention_sessions_ended_total{reason}                 counter
 //   attention_session_rows_appended_total                  counter
+//   attention_queue_limit, attention_memory_budget_bytes,
+//   attention_session_cache_limit_bytes                    gauges (SetLimits)
+//   attention_build_info{version}                          gauge, 1
+//   process_cpu_seconds_total, process_resident_memory_bytes,
+//   process_virtual_memory_bytes, process_start_time_seconds,
+//   process_open_fds                                       the process's, from /proc
 // Label values are free text (escaped when rendered). Thread-safe; recording
 // takes one short mutex hold (gauges are lock-free).
 class Metrics {
  public:
-  // Upper bounds ("le") of the latency buckets, in seconds: 50us to 30s in a
+  // Upper bounds ("le") of the latency buckets, in seconds: 25us to 60s in a
   // 1-2.5-5 progression. Observations above the last go to "+Inf" only.
   static const std::vector<double>& LatencyBuckets();
   // Upper bounds of the batch-size buckets: 1, 2, 4, ..., 256.
@@ -61,6 +67,14 @@ class Metrics {
   void SetQueueDepth(int64_t depth);
   // Calls being handled; +1 when one starts, -1 when it finishes.
   void AddInFlight(int delta);
+  // The limits the server runs with, rendered beside what uses them:
+  // --max_queue, --memory_budget_mb and --session_memory_mb, in requests and
+  // bytes.
+  void SetLimits(int64_t queue, int64_t memory_budget_bytes, int64_t session_cache_bytes) {
+    queue_limit_.store(queue, std::memory_order_relaxed);
+    memory_budget_.store(memory_budget_bytes, std::memory_order_relaxed);
+    session_cache_limit_.store(session_cache_bytes, std::memory_order_relaxed);
+  }
   // Bytes the calls in flight have reserved of the server's memory budget.
   void SetMemoryReserved(int64_t bytes) {
     memory_reserved_.store(bytes, std::memory_order_relaxed);
@@ -116,6 +130,9 @@ class Metrics {
   std::atomic<int64_t> queue_depth_{0};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> memory_reserved_{0};
+  std::atomic<int64_t> queue_limit_{0};
+  std::atomic<int64_t> memory_budget_{0};
+  std::atomic<int64_t> session_cache_limit_{0};
   std::atomic<uint64_t> calls_started_{0};
 };
 

@@ -206,6 +206,8 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   }
   impl->drain_seconds = options.drain_seconds;
   server::Metrics* metrics = &impl->metrics;
+  metrics->SetLimits(options.max_queue, options.memory_budget_mb << 20,
+                     options.session_memory_mb << 20);
   server::SchedulerHooks hooks;
   hooks.queue_depth = [metrics](int64_t depth) { metrics->SetQueueDepth(depth); };
   hooks.batch_size = [metrics](int32_t size) { metrics->ObserveBatchSize(size); };
