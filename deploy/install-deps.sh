@@ -7,14 +7,15 @@ set -euo pipefail
 
 # ocl-icd-opencl-dev: only recommended by libdnnl-dev, but its CMake config
 # (find_package(dnnl)) fails without OpenCL's library and headers. haproxy:
-# the proxy session_proxy_test routes sessions through.
+# the proxy session_proxy_test routes sessions through; prometheus (with
+# promtool): prometheus_test and prometheus_rules.
 packages=(
   cmake ninja-build g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libdnnl-dev ocl-icd-opencl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libssl-dev openssl jq
   libnghttp2-dev
-  haproxy
+  haproxy prometheus
 )
 # The Python client (client/python) and its tests (python_client_test):
 # Debian's Python with grpcio, protobuf, numpy and torch; pip, setuptools and

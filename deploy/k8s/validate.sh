@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Validates deploy/k8s and deploy/k8s-sessions offline: renders each
+# Validates deploy/k8s, deploy/k8s-sessions and deploy/k8s-monitoring
+# offline: renders each
 # kustomization with kubectl kustomize and checks every object against its
-# API schema (Kubernetes, Istio, Gateway API) and the rules of
+# API schema (Kubernetes, Istio, Gateway API, Prometheus Operator) and the
+# rules of
 # deploy/validator/k8s.mjs (gRPC probes, grace period > preStop + drain,
 # selectors, session routing on attention-affinity, ...); checks that the
 # ConfigMap's model is the repository's models/demo and that the sessions
@@ -52,6 +54,13 @@ if (changed.length > 0) {
 EOF_NODE
   fail "deploy/k8s-sessions changes objects of deploy/k8s"
 
+# Monitoring: its objects with deploy/k8s's (whose Services they select).
+kubectl kustomize deploy/k8s-monitoring >"$tmp/monitoring-only.yaml" ||
+  fail "kubectl kustomize deploy/k8s-monitoring failed"
+{ cat "$tmp/rendered.yaml"; echo "---"; cat "$tmp/monitoring-only.yaml"; } >"$tmp/monitoring.yaml"
+export ATTENTION_ALERTS_FILE=deploy/prometheus/alerts.yml
+node deploy/validator/k8s.mjs "$tmp/monitoring.yaml" || fail "the monitoring manifests are invalid (above)"
+
 # expect_invalid NAME SED_SCRIPT EXPECTED [RENDERING]: the rendering
 # (rendered.yaml, or sessions.yaml) edited by SED_SCRIPT must fail validation
 # with a message containing EXPECTED.
@@ -76,4 +85,8 @@ expect_invalid other_header 's/httpHeaderName: attention-affinity/httpHeaderName
   "not attention-affinity" sessions
 expect_invalid route_to_nowhere 's/- name: attention-server$/- name: attention-sever/' \
   "is not a Service port" sessions
+expect_invalid scrape_no_port 's/^    port: metrics$/    port: prometheus/' \
+  "no Service it selects has a port named prometheus" monitoring
+expect_invalid rules_drifted 's/> 0.05/> 0.1/' "its groups differ from" monitoring
+expect_invalid interval_as_number 's/interval: 15s/interval: 15/' "interval must be string" monitoring
 echo "k8s: PASS"

@@ -41,6 +41,7 @@ const nameOf = (o) => `${o.kind ?? "?"}/${o.metadata?.name ?? "?"}`;
 const groupPackages = {
   "networking.istio.io": "@kubernetes-models/istio",
   "gateway.networking.k8s.io": "@kubernetes-models/gateway-api",
+  "monitoring.coreos.com": "@kubernetes-models/prometheus-operator",
 };
 async function modelFor(apiVersion, kind) {
   // "v1" (core) or "GROUP/VERSION"; each package has one module per version.
@@ -170,6 +171,32 @@ for (const route of ofKind("GRPCRoute")) {
         problems.push(`${nameOf(route)}: backendRef ${backend.name}:${backend.port} is not a Service port in the manifests`);
       }
     }
+  }
+}
+
+// Monitoring (deploy/k8s-monitoring): the ServiceMonitor scrapes a Service
+// port that exists, and the PrometheusRule holds deploy/prometheus's rules.
+for (const m of ofKind("ServiceMonitor")) {
+  const selected = services.filter((s) => selects(m.spec?.selector?.matchLabels, s.metadata?.labels));
+  for (const e of m.spec?.endpoints ?? []) {
+    if (!selected.some((s) => s.spec?.ports?.some((p) => p.name === e.port))) {
+      problems.push(`${nameOf(m)}: no Service it selects has a port named ${e.port}`);
+    }
+  }
+}
+const alertsFile = process.env.ATTENTION_ALERTS_FILE;
+for (const r of ofKind("PrometheusRule")) {
+  if (alertsFile === undefined) continue;
+  const { parse } = await import("yaml");
+  // Key order aside (kustomize sorts keys).
+  const canonical = (v) =>
+    Array.isArray(v) ? v.map(canonical)
+      : v !== null && typeof v === "object"
+        ? Object.fromEntries(Object.keys(v).sort().map((k) => [k, canonical(v[k])]))
+        : v;
+  const want = JSON.stringify(canonical(parse(readFileSync(alertsFile, "utf8")).groups));
+  if (JSON.stringify(canonical(r.spec?.groups)) !== want) {
+    problems.push(`${nameOf(r)}: its groups differ from ${alertsFile}`);
   }
 }
 
