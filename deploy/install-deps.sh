@@ -8,7 +8,8 @@ set -euo pipefail
 # ocl-icd-opencl-dev: only recommended by libdnnl-dev, but its CMake config
 # (find_package(dnnl)) fails without OpenCL's library and headers. haproxy:
 # the proxy session_proxy_test routes sessions through; prometheus (with
-# promtool): prometheus_test and prometheus_rules.
+# promtool): prometheus_test and prometheus_rules; dpkg-dev (dpkg-shlibdeps),
+# lintian and systemd (systemd-analyze): deb_package.
 packages=(
   cmake ninja-build g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
@@ -16,6 +17,7 @@ packages=(
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libssl-dev openssl jq
   libnghttp2-dev
   haproxy prometheus
+  dpkg-dev lintian systemd
 )
 # The Python client (client/python) and its tests (python_client_test):
 # Debian's Python with grpcio, protobuf, numpy and torch; pip, setuptools and
