@@ -378,8 +378,6 @@ bool IsOpenLoop(const Json& report) { return Text(Find(report, {"run", "loop"}))
 
 std::vector<Chart> Charts(const std::vector<Run>& runs) {
   const bool sessions = std::any_of(runs.begin(), runs.end(), IsSessions);
-  const bool open_loop = std::any_of(runs.begin(), runs.end(),
-                                     [](const Run& run) { return IsOpenLoop(run.report); });
   const std::string latency = sessions ? "step latency" : "latency";
   std::vector<Chart> charts;
   charts.push_back({"latency-percentiles", absl::StrCat("Percentiles of ", latency),
@@ -439,7 +437,8 @@ std::vector<Chart> Charts(const std::vector<Run>& runs) {
     curves.push_back(PercentileSeries(run, index, {"latency_us"}, "corrected", 0));
     curves.push_back(PercentileSeries(run, index, {"uncorrected_latency_us"}, "uncorrected", 1));
     std::vector<Series>& rates = chart("timeline-rates").series;
-    if (open_loop) rates.push_back(TimelineSeries(run, index, "target", "target", 0));
+    // A closed loop's target is a concurrency, not a rate.
+    if (IsOpenLoop(run.report)) rates.push_back(TimelineSeries(run, index, "target", "target", 0));
     rates.push_back(TimelineSeries(run, index, "sent_per_s", "sent", 1));
     rates.push_back(TimelineSeries(run, index, "completed_per_s", "completed", 2));
     rates.push_back(TimelineSeries(run, index, "errors_per_s", "errors", 3));
