@@ -273,8 +273,9 @@ int main(int argc, char** argv) {
     return attention::loadtest::RunHtmlReport(files, config, std::cout, std::cerr);
   }
   if (positional.size() > 1) {
-    std::cerr << "error: unexpected argument \"" << positional[1]
-              << "\"; the commands are merge and report. Run 'attention_loadtest --help' for usage.\n";
+    std::cerr
+        << "error: unexpected argument \"" << positional[1]
+        << "\"; the commands are merge and report. Run 'attention_loadtest --help' for usage.\n";
     return attention::loadtest::kExitSetup;
   }
   std::signal(SIGINT, OnInterrupt);

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstddef>
+#include <cstdlib>
 #include <initializer_list>
 #include <iterator>
 #include <map>
@@ -37,12 +37,23 @@ std::string Escape(absl::string_view text) {
   std::string escaped;
   for (char c : text) {
     switch (c) {
-      case '&': escaped += "&amp;"; break;
-      case '<': escaped += "&lt;"; break;
-      case '>': escaped += "&gt;"; break;
-      case '"': escaped += "&quot;"; break;
-      case '\'': escaped += "&#39;"; break;
-      default: escaped += c;
+      case '&':
+        escaped += "&amp;";
+        break;
+      case '<':
+        escaped += "&lt;";
+        break;
+      case '>':
+        escaped += "&gt;";
+        break;
+      case '"':
+        escaped += "&quot;";
+        break;
+      case '\'':
+        escaped += "&#39;";
+        break;
+      default:
+        escaped += c;
     }
   }
   return escaped;
@@ -81,11 +92,16 @@ enum class Unit { kMicros, kPerSecond, kBytesPerSecond, kCount, kSeconds };
 
 std::string FormatValue(Unit unit, double value) {
   switch (unit) {
-    case Unit::kMicros: return FormatLatency(value * 1e3);
-    case Unit::kPerSecond: return absl::StrFormat("%.4g/s", value);
-    case Unit::kBytesPerSecond: return absl::StrCat(FormatBytes(value), "/s");
-    case Unit::kCount: return absl::StrFormat("%.6g", value);
-    case Unit::kSeconds: return absl::StrFormat("%.3gs", value);
+    case Unit::kMicros:
+      return FormatLatency(value * 1e3);
+    case Unit::kPerSecond:
+      return absl::StrFormat("%.4g/s", value);
+    case Unit::kBytesPerSecond:
+      return absl::StrCat(FormatBytes(value), "/s");
+    case Unit::kCount:
+      return absl::StrFormat("%.6g", value);
+    case Unit::kSeconds:
+      return absl::StrFormat("%.3gs", value);
   }
   return "";
 }
@@ -174,14 +190,14 @@ std::string Legend(const Chart& chart, bool several_runs,
     const SeriesLook look = LookOf(series, several_runs);
     const std::string name =
         several_runs ? absl::StrCat(run_labels[series.run], ": ", series.legend) : series.legend;
-    absl::StrAppend(&html, "<li><svg width=\"28\" height=\"10\" aria-hidden=\"true\">",
-                    chart.axis == Axis::kCategory
-                        ? absl::StrCat("<rect x=\"4\" y=\"0\" width=\"20\" height=\"10\" fill=\"",
-                                       look.colour, "\"/>")
-                        : absl::StrCat("<line x1=\"0\" y1=\"5\" x2=\"28\" y2=\"5\" stroke=\"",
-                                       look.colour, "\" stroke-width=\"2\" stroke-dasharray=\"",
-                                       look.dash, "\"/>"),
-                    "</svg>", Escape(name), "</li>");
+    absl::StrAppend(
+        &html, "<li><svg width=\"28\" height=\"10\" aria-hidden=\"true\">",
+        chart.axis == Axis::kCategory
+            ? absl::StrCat("<rect x=\"4\" y=\"0\" width=\"20\" height=\"10\" fill=\"", look.colour,
+                           "\"/>")
+            : absl::StrCat("<line x1=\"0\" y1=\"5\" x2=\"28\" y2=\"5\" stroke=\"", look.colour,
+                           "\" stroke-width=\"2\" stroke-dasharray=\"", look.dash, "\"/>"),
+        "</svg>", Escape(name), "</li>");
   }
   return html + "</ul>";
 }
@@ -196,9 +212,9 @@ std::string PointAttributes(const Series& series, const Point& point) {
 // series has a point.
 std::string RenderChart(const Chart& chart, const std::vector<std::string>& run_labels) {
   const bool several_runs = run_labels.size() > 1;
-  std::string html = absl::StrCat("<section class=\"chart\" id=\"", chart.id, "\"><h2>",
-                                  Escape(chart.title), "</h2><p class=\"about\">",
-                                  Escape(chart.about), "</p>");
+  std::string html =
+      absl::StrCat("<section class=\"chart\" id=\"", chart.id, "\"><h2>", Escape(chart.title),
+                   "</h2><p class=\"about\">", Escape(chart.about), "</p>");
   double x_min = 0, x_max = 0, y_max = 0;
   bool any = false;
   std::map<double, std::string> categories;
@@ -212,8 +228,8 @@ std::string RenderChart(const Chart& chart, const std::vector<std::string>& run_
     }
   }
   if (!any) {
-    return absl::StrCat(html, "<p class=\"empty\">No data: the run has no ",
-                        Escape(chart.y_label), " to show.</p></section>");
+    return absl::StrCat(html, "<p class=\"empty\">No data: the run has no ", Escape(chart.y_label),
+                        " to show.</p></section>");
   }
   const std::vector<CurvePoint> curve = CurvePoints();
   if (chart.axis == Axis::kPercentile) {
@@ -237,10 +253,10 @@ std::string RenderChart(const Chart& chart, const std::vector<std::string>& run_
   // The y grid: five steps of the nice ceiling.
   for (int i = 0; i <= 5; ++i) {
     const double y = top * i / 5;
-    absl::StrAppend(&html, "<line class=\"grid\" x1=\"", Px(kLeft), "\" x2=\"",
-                    Px(kWidth - kRight), "\" y1=\"", Px(sy(y)), "\" y2=\"", Px(sy(y)),
-                    "\"/><text class=\"tick\" x=\"", Px(kLeft - 6), "\" y=\"", Px(sy(y) + 4),
-                    "\" text-anchor=\"end\">", Escape(FormatValue(chart.unit, y)), "</text>");
+    absl::StrAppend(&html, "<line class=\"grid\" x1=\"", Px(kLeft), "\" x2=\"", Px(kWidth - kRight),
+                    "\" y1=\"", Px(sy(y)), "\" y2=\"", Px(sy(y)), "\"/><text class=\"tick\" x=\"",
+                    Px(kLeft - 6), "\" y=\"", Px(sy(y) + 4), "\" text-anchor=\"end\">",
+                    Escape(FormatValue(chart.unit, y)), "</text>");
   }
   // The x ticks.
   if (chart.axis == Axis::kPercentile) {
@@ -287,9 +303,9 @@ std::string RenderChart(const Chart& chart, const std::vector<std::string>& run_
         const double x = kLeft + slot * static_cast<double>(slot_index) + slot * 0.1 +
                          bar_w * static_cast<double>(s);
         absl::StrAppend(&html, "<rect class=\"point\"", PointAttributes(series, point), " x=\"",
-                        Px(x), "\" y=\"", Px(sy(point.y)), "\" width=\"", Px(bar_w),
-                        "\" height=\"", Px(kTop + plot_h - sy(point.y)), "\" fill=\"",
-                        look.colour, "\"><title>", Escape(name), " ", Escape(point.x_text), ": ",
+                        Px(x), "\" y=\"", Px(sy(point.y)), "\" width=\"", Px(bar_w), "\" height=\"",
+                        Px(kTop + plot_h - sy(point.y)), "\" fill=\"", look.colour, "\"><title>",
+                        Escape(name), " ", Escape(point.x_text), ": ",
                         Escape(FormatValue(chart.unit, point.y)), "</title></rect>");
       }
       continue;
@@ -339,8 +355,8 @@ Series TimelineSeries(const Run& run, int index, const std::string& field, std::
     const Json* t = Find(point, {"t_s"});
     const Json* value = Find(point, {field});
     if (t == nullptr || value == nullptr || !t->is_number() || !value->is_number()) continue;
-    series.points.push_back({t->get<double>(), value->get<double>(), JsonText(*t),
-                             JsonText(*value)});
+    series.points.push_back(
+        {t->get<double>(), value->get<double>(), JsonText(*t), JsonText(*value)});
   }
   return series;
 }
@@ -351,8 +367,7 @@ Series BatchSeries(const Run& run, int index) {
   if (sizes == nullptr || !sizes->is_object()) return series;
   for (const auto& [size, count] : sizes->items()) {
     if (!count.is_number()) continue;
-    series.points.push_back(
-        {std::atof(size.c_str()), count.get<double>(), size, JsonText(count)});
+    series.points.push_back({std::atof(size.c_str()), count.get<double>(), size, JsonText(count)});
   }
   return series;
 }
@@ -380,49 +395,90 @@ std::vector<Chart> Charts(const std::vector<Run>& runs) {
   const bool sessions = std::any_of(runs.begin(), runs.end(), IsSessions);
   const std::string latency = sessions ? "step latency" : "latency";
   std::vector<Chart> charts;
-  charts.push_back({"latency-percentiles", absl::StrCat("Percentiles of ", latency),
+  charts.push_back({"latency-percentiles",
+                    absl::StrCat("Percentiles of ", latency),
                     "Corrected latency runs from each call's intended send time, uncorrected from "
                     "its actual send time; where the two part, calls waited to be sent "
                     "(coordinated omission). The x axis stretches the tail: each step is ten "
                     "times fewer calls.",
-                    "percentile", latency, Axis::kPercentile, Unit::kMicros, {}});
-  charts.push_back({"timeline-rates", "Calls per second",
+                    "percentile",
+                    latency,
+                    Axis::kPercentile,
+                    Unit::kMicros,
+                    {}});
+  charts.push_back({"timeline-rates",
+                    "Calls per second",
                     "Per interval of the timeline (about a second): the schedule's target rate "
                     "(open loops), calls sent, calls completed and failed calls.",
-                    "seconds since the measurement began", "calls per second", Axis::kTime,
-                    Unit::kPerSecond, {}});
-  charts.push_back({"timeline-latency", "Latency per second",
+                    "seconds since the measurement began",
+                    "calls per second",
+                    Axis::kTime,
+                    Unit::kPerSecond,
+                    {}});
+  charts.push_back({"timeline-latency",
+                    "Latency per second",
                     "The median, 99th percentile and maximum of the latency of the calls "
                     "completed in each interval.",
-                    "seconds since the measurement began", latency, Axis::kTime, Unit::kMicros,
+                    "seconds since the measurement began",
+                    latency,
+                    Axis::kTime,
+                    Unit::kMicros,
                     {}});
   if (sessions) {
-    charts.push_back({"timeline-steps", "Session steps per second",
+    charts.push_back({"timeline-steps",
+                      "Session steps per second",
                       "Steps answered in each interval (seconds from the decoders' start, their "
                       "prefills included).",
-                      "seconds since the decoders began", "steps per second", Axis::kTime,
-                      Unit::kPerSecond, {}});
-    charts.push_back({"timeline-cache", "Cache bytes read per second",
+                      "seconds since the decoders began",
+                      "steps per second",
+                      Axis::kTime,
+                      Unit::kPerSecond,
+                      {}});
+    charts.push_back({"timeline-cache",
+                      "Cache bytes read per second",
                       "The session cache the answered steps attended over, per interval: each "
                       "step reads its session's rows so far.",
-                      "seconds since the decoders began", "cache bytes read per second",
-                      Axis::kTime, Unit::kBytesPerSecond, {}});
-    charts.push_back({"session-latency", "Percentiles of prefill and step latency",
+                      "seconds since the decoders began",
+                      "cache bytes read per second",
+                      Axis::kTime,
+                      Unit::kBytesPerSecond,
+                      {}});
+    charts.push_back({"session-latency",
+                      "Percentiles of prefill and step latency",
                       "A session's create with its prefill rows, and its one-row steps.",
-                      "percentile", "latency", Axis::kPercentile, Unit::kMicros, {}});
+                      "percentile",
+                      "latency",
+                      Axis::kPercentile,
+                      Unit::kMicros,
+                      {}});
   }
-  charts.push_back({"server-breakdown", "The server's queue and compute time",
+  charts.push_back({"server-breakdown",
+                    "The server's queue and compute time",
                     "From the OK answers' queue_us (waiting in the server's batcher) and "
                     "compute_us (the engine's call); what the client's latency adds beyond "
                     "them is the network and the gRPC stacks.",
-                    "percentile", "server time", Axis::kPercentile, Unit::kMicros, {}});
-  charts.push_back({"batch-sizes", "Batch sizes",
+                    "percentile",
+                    "server time",
+                    Axis::kPercentile,
+                    Unit::kMicros,
+                    {}});
+  charts.push_back({"batch-sizes",
+                    "Batch sizes",
                     "OK answers by the number of requests the server ran in the same engine call.",
-                    "requests in the engine call", "answers", Axis::kCategory, Unit::kCount, {}});
-  charts.push_back({"tester-cpu", "The load tester's CPU",
+                    "requests in the engine call",
+                    "answers",
+                    Axis::kCategory,
+                    Unit::kCount,
+                    {}});
+  charts.push_back({"tester-cpu",
+                    "The load tester's CPU",
                     "User and system CPU seconds the load tester spent over the run; if it nears "
                     "all of its cores, the tester, not the server, may be the limit.",
-                    "CPU time", "seconds", Axis::kCategory, Unit::kSeconds, {}});
+                    "CPU time",
+                    "seconds",
+                    Axis::kCategory,
+                    Unit::kSeconds,
+                    {}});
 
   for (size_t i = 0; i < runs.size(); ++i) {
     const Run& run = runs[i];
@@ -447,10 +503,11 @@ std::vector<Chart> Charts(const std::vector<Run>& runs) {
     latencies.push_back(TimelineSeries(run, index, "p99_us", "p99", 1));
     latencies.push_back(TimelineSeries(run, index, "max_us", "max", 2));
     if (sessions) {
-      chart("timeline-steps").series.push_back(
-          TimelineSeries(run, index, "steps_per_s", "steps", 0));
-      chart("timeline-cache").series.push_back(
-          TimelineSeries(run, index, "cache_bytes_read_per_s", "cache bytes read", 0));
+      chart("timeline-steps")
+          .series.push_back(TimelineSeries(run, index, "steps_per_s", "steps", 0));
+      chart("timeline-cache")
+          .series.push_back(
+              TimelineSeries(run, index, "cache_bytes_read_per_s", "cache bytes read", 0));
       std::vector<Series>& session = chart("session-latency").series;
       session.push_back(PercentileSeries(run, index, {"sessions", "prefill_us"}, "prefill", 0));
       session.push_back(PercentileSeries(run, index, {"latency_us"}, "step", 1));
@@ -473,8 +530,8 @@ std::vector<Chart> Charts(const std::vector<Run>& runs) {
 std::string DescribeLoad(const Json& report) {
   const Json* run = Find(report, {"run"});
   if (run == nullptr) return "merged histogram logs";
-  std::string text = absl::StrCat(Text(Find(*run, {"loop"})), " loop, ",
-                                  Text(Find(*run, {"schedule"})));
+  std::string text =
+      absl::StrCat(Text(Find(*run, {"loop"})), " loop, ", Text(Find(*run, {"schedule"})));
   if (IsOpenLoop(report)) {
     absl::StrAppend(&text, absl::StrFormat(", target %.1f/s", Number(Find(report, {"target_rps"}))),
                     ", ", Text(Find(*run, {"arrival"})), " arrivals");
@@ -493,8 +550,8 @@ std::string DescribeTargets(const Json& report) {
   if (targets == nullptr || !targets->is_array()) return "";
   std::vector<std::string> names;
   for (const Json& target : *targets) names.push_back(Text(&target));
-  return absl::StrCat(absl::StrJoin(names, " "), " x ",
-                      Text(Find(report, {"run", "connections"})), " connections");
+  return absl::StrCat(absl::StrJoin(names, " "), " x ", Text(Find(report, {"run", "connections"})),
+                      " connections");
 }
 
 std::string DescribeErrors(const Json& report) {
@@ -547,7 +604,10 @@ std::string SummaryTable(const std::vector<Run>& runs) {
   const Row rows[] = {
       {"load", [](const Json& r) { return Escape(DescribeLoad(r)); }},
       {"targets", [](const Json& r) { return Escape(DescribeTargets(r)); }},
-      {"workload", [](const Json& r) { return Escape(Text(Find(r, {"run", "workload"}))); }},
+      {"workload",
+       [](const Json& r) {
+         return Escape(Text(Find(r, {"run", "workload"})));
+       }},
       {"transport",
        [](const Json& r) {
          const Json* run = Find(r, {"run"});
@@ -584,11 +644,10 @@ std::string SummaryTable(const std::vector<Run>& runs) {
        }},
       {"tester CPU",
        [](const Json& r) {
-         return Escape(absl::StrFormat("%.2fs user + %.2fs system = %.1f%% of %s cores",
-                                       Number(Find(r, {"cpu", "user_s"})),
-                                       Number(Find(r, {"cpu", "system_s"})),
-                                       Number(Find(r, {"cpu", "percent_of_machine"})),
-                                       Text(Find(r, {"cpu", "cores"}))));
+         return Escape(absl::StrFormat(
+             "%.2fs user + %.2fs system = %.1f%% of %s cores", Number(Find(r, {"cpu", "user_s"})),
+             Number(Find(r, {"cpu", "system_s"})), Number(Find(r, {"cpu", "percent_of_machine"})),
+             Text(Find(r, {"cpu", "cores"}))));
        }},
       {"sessions", DescribeSessions},
       {"thresholds", DescribeThresholds},
@@ -678,8 +737,8 @@ std::string Notices(const std::vector<Run>& runs) {
   for (const Run& run : runs) {
     const std::string name = Escape(run.label);
     if (run.report.is_null()) {
-      absl::StrAppend(&html, "<p class=\"notice failed\">", name, ": the run failed: ",
-                      Escape(run.error), "</p>");
+      absl::StrAppend(&html, "<p class=\"notice failed\">", name,
+                      ": the run failed: ", Escape(run.error), "</p>");
       continue;
     }
     if (Number(Find(run.report, {"requests"})) == 0) {
@@ -691,8 +750,9 @@ std::string Notices(const std::vector<Run>& runs) {
       html += "</p>";
     } else if (Number(Find(run.report, {"error_count"})) > 0) {
       absl::StrAppend(&html, "<p class=\"notice errors\">", name, ": ",
-                      Escape(Text(Find(run.report, {"error_count"}))), " calls failed; first: ",
-                      Escape(Text(Find(run.report, {"first_error"}))), "</p>");
+                      Escape(Text(Find(run.report, {"error_count"}))),
+                      " calls failed; first: ", Escape(Text(Find(run.report, {"first_error"}))),
+                      "</p>");
     }
     if (const Json* passed = Find(run.report, {"passed"}); passed != nullptr && *passed == false) {
       absl::StrAppend(&html, "<p class=\"notice broken\">", name, ": a threshold was broken.</p>");
@@ -742,8 +802,7 @@ absl::StatusOr<std::string> FormatHtml(const std::vector<HtmlRun>& html_runs) {
       run.error = "no results";
     }
     labels.push_back(run.label);
-    data["runs"].push_back(
-        {{"label", run.label}, {"error", run.error}, {"report", run.report}});
+    data["runs"].push_back({{"label", run.label}, {"error", run.error}, {"report", run.report}});
   }
 
   std::string html = absl::StrCat(

@@ -168,7 +168,8 @@ int Conclude(Report& report, const std::vector<Threshold>& thresholds, const Loa
   out.flush();
   absl::Status written = absl::OkStatus();
   if (!config.json_file.empty()) written.Update(WriteFile(config.json_file, FormatJson(report)));
-  if (!config.html_file.empty()) written.Update(WriteHtml(config.html_file, FormatJson(report), ""));
+  if (!config.html_file.empty())
+    written.Update(WriteHtml(config.html_file, FormatJson(report), ""));
   if (!config.csv_file.empty()) written.Update(AppendCsv(config.csv_file, report));
   if (!config.histogram_log_file.empty()) {
     written.Update(WriteFile(config.histogram_log_file, report.stats.ToLog()));

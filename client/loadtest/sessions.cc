@@ -115,7 +115,8 @@ class StepTimeline {
     for (size_t i = 0; i < seconds_.size(); ++i) {
       const Second& second = seconds_[i];
       points.push_back(TimelinePoint{
-          .t_s = std::min(static_cast<double>(i + 1), std::max(static_cast<double>(i), static_cast<double>(end_ns) * 1e-9)),
+          .t_s = std::min(static_cast<double>(i + 1),
+                          std::max(static_cast<double>(i), static_cast<double>(end_ns) * 1e-9)),
           .sent = second.sent,
           .completed = second.completed,
           .errors = second.errors,

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -109,8 +109,7 @@ void ExpectPlotsAreTheJsons(const std::string& html) {
     const Json& report = data["runs"][point.run]["report"];
     const Json plotted = Json::parse(point.y, nullptr, /*allow_exceptions=*/false);
     EXPECT_EQ(plotted, JsonValueOf(report, point))
-        << "run " << point.run << " " << point.series << " at " << point.x << " plots "
-        << point.y;
+        << "run " << point.run << " " << point.series << " at " << point.x << " plots " << point.y;
   }
   for (size_t run = 0; run < data["runs"].size(); ++run) {
     const Json& report = data["runs"][run]["report"];
@@ -169,14 +168,16 @@ std::vector<std::string> OpenInChromium(const std::string& html_path, const std:
       " --headless=new --no-sandbox --disable-gpu --no-first-run --disable-extensions"
       " --disable-background-networking --disable-sync --host-resolver-rules='MAP * ~NOTFOUND'"
       " --user-data-dir=",
-      dir, "/profile --enable-logging=stderr --v=0 --window-size=1280,2400 --screenshot=",
-      screenshot, " file://", html_path, " >", dir, "/out 2>", dir, "/log");
+      dir,
+      "/profile --enable-logging=stderr --v=0 --window-size=1280,2400 --screenshot=", screenshot,
+      " file://", html_path, " >", dir, "/out 2>", dir, "/log");
   const int status = std::system(command.c_str());
   const std::string log = ReadWholeFile(dir + "/log");
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-      << "chromium: " << status << "\n" << log;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "chromium: " << status << "\n"
+                                                             << log;
   EXPECT_TRUE(std::filesystem::exists(screenshot) && std::filesystem::file_size(screenshot) > 0)
-      << "no screenshot at " << screenshot << "\n" << log;
+      << "no screenshot at " << screenshot << "\n"
+      << log;
   std::cout << "screenshot of " << html_path << ": " << screenshot << std::endl;
   std::vector<std::string> console;
   for (absl::string_view line : absl::StrSplit(log, '\n')) {
@@ -218,17 +219,29 @@ Report KnownReport() {
   report.run->arrival = "constant";
   report.run->target_rps = 500;
   report.run->workload = "raw attention <1 head>";
-  report.timeline = {
-      {.t_s = 1, .target = 500, .sent = 500, .completed = 498, .errors = 5, .p50_ns = 1'000'000,
-       .p99_ns = 2'000'000, .max_ns = 100'000'000},
-      {.t_s = 2, .target = 500, .sent = 500, .completed = 502, .errors = 0, .p50_ns = 1'000'000,
-       .p99_ns = 1'500'000, .max_ns = 3'000'000}};
+  report.timeline = {{.t_s = 1,
+                      .target = 500,
+                      .sent = 500,
+                      .completed = 498,
+                      .errors = 5,
+                      .p50_ns = 1'000'000,
+                      .p99_ns = 2'000'000,
+                      .max_ns = 100'000'000},
+                     {.t_s = 2,
+                      .target = 500,
+                      .sent = 500,
+                      .completed = 502,
+                      .errors = 0,
+                      .p50_ns = 1'000'000,
+                      .p99_ns = 1'500'000,
+                      .max_ns = 3'000'000}};
   report.thresholds = EvaluateThresholds({*ParseThreshold("p99<20ms")}, report.stats);
   return report;
 }
 
 TEST(HtmlReportTest, PlotsTheJsonsNumbersAndLoadsNothing) {
-  const absl::StatusOr<std::string> html = FormatHtml({HtmlRun{"run", FormatJson(KnownReport()), ""}});
+  const absl::StatusOr<std::string> html =
+      FormatHtml({HtmlRun{"run", FormatJson(KnownReport()), ""}});
   ASSERT_THAT(html, attention::testing::IsOk());
   ExpectPlotsAreTheJsons(*html);
   ExpectNoNetworkReference(*html);
@@ -241,8 +254,9 @@ TEST(HtmlReportTest, PlotsTheJsonsNumbersAndLoadsNothing) {
 TEST(HtmlReportTest, OverlaysRunsWithTheirDifferences) {
   Report slower = KnownReport();
   slower.stats.latency.Record(2'000'000, 1000);
-  const absl::StatusOr<std::string> html = FormatHtml(
-      {HtmlRun{"before.json", FormatJson(KnownReport()), ""}, HtmlRun{"after.json", FormatJson(slower), ""}});
+  const absl::StatusOr<std::string> html =
+      FormatHtml({HtmlRun{"before.json", FormatJson(KnownReport()), ""},
+                  HtmlRun{"after.json", FormatJson(slower), ""}});
   ASSERT_THAT(html, attention::testing::IsOk());
   ExpectPlotsAreTheJsons(*html);
   EXPECT_THAT(*html, HasSubstr("<section id=\"differences\">"));
@@ -303,10 +317,11 @@ class HtmlReportRunTest : public ::testing::Test {
     dir_ = new std::string(MakeTempDir("html_report"));
     const std::string port_file = *dir_ + "/port";
     const std::string command = absl::StrCat(
-        "timeout 600 ", ATTENTION_SERVER_BIN,
-        " --listen=127.0.0.1:0 --port_file=", port_file,
-        " --metrics_port=0 --engine_threads=1 --model_repository= >", *dir_, "/server.log 2>&1 & "
-        "echo $! >", *dir_, "/server.pid");
+        "timeout 600 ", ATTENTION_SERVER_BIN, " --listen=127.0.0.1:0 --port_file=", port_file,
+        " --metrics_port=0 --engine_threads=1 --model_repository= >", *dir_,
+        "/server.log 2>&1 & "
+        "echo $! >",
+        *dir_, "/server.pid");
     ASSERT_EQ(std::system(command.c_str()), 0);
     std::ifstream(*dir_ + "/server.pid") >> server_pid_;
     const absl::Time end = absl::Now() + absl::Seconds(30);
@@ -325,12 +340,13 @@ class HtmlReportRunTest : public ::testing::Test {
   // attention_loadtest against the server.
   static Outcome Loadtest(const std::string& args) {
     return RunProgram(ATTENTION_LOADTEST_BIN, absl::StrCat("--target 127.0.0.1:", port_, " ", args),
-               MakeTempDir("loadtest"));
+                      MakeTempDir("loadtest"));
   }
 
   // The page's checks: its points (when it has any), its references,
   // Chromium's console.
-  static void CheckPage(const std::string& html_path, const std::string& name, bool plotted = true) {
+  static void CheckPage(const std::string& html_path, const std::string& name,
+                        bool plotted = true) {
     const std::string html = ReadWholeFile(html_path);
     ASSERT_FALSE(html.empty()) << html_path;
     if (plotted) ExpectPlotsAreTheJsons(html);
@@ -348,8 +364,9 @@ pid_t HtmlReportRunTest::server_pid_ = 0;
 
 TEST_F(HtmlReportRunTest, LiveRunAndTwoSavedRuns) {
   const std::string dir = MakeTempDir("html_runs");
-  const Outcome open = Loadtest(absl::StrCat("--rate 200 --duration 2s --threshold 'p99<10s' --json ",
-                                             dir, "/open.json --html ", dir, "/open.html"));
+  const Outcome open =
+      Loadtest(absl::StrCat("--rate 200 --duration 2s --threshold 'p99<10s' --json ", dir,
+                            "/open.json --html ", dir, "/open.html"));
   ASSERT_EQ(open.exit_code, 0) << open.err;
   // The live page embeds exactly what --json wrote.
   const Json saved = Json::parse(ReadWholeFile(dir + "/open.json"), nullptr, false);
@@ -360,11 +377,10 @@ TEST_F(HtmlReportRunTest, LiveRunAndTwoSavedRuns) {
   const Outcome closed =
       Loadtest(absl::StrCat("--concurrency 2 --duration 1s --json ", dir, "/closed.json"));
   ASSERT_EQ(closed.exit_code, 0) << closed.err;
-  const Outcome report =
-      RunProgram(ATTENTION_LOADTEST_BIN,
-          absl::StrCat("report ", dir, "/open.json ", dir, "/closed.json --html ", dir,
-                       "/both.html"),
-          dir);
+  const Outcome report = RunProgram(
+      ATTENTION_LOADTEST_BIN,
+      absl::StrCat("report ", dir, "/open.json ", dir, "/closed.json --html ", dir, "/both.html"),
+      dir);
   ASSERT_EQ(report.exit_code, 0) << report.err;
   const std::string both = ReadWholeFile(dir + "/both.html");
   EXPECT_THAT(both, HasSubstr("<section id=\"differences\">"));
@@ -394,9 +410,9 @@ TEST_F(HtmlReportRunTest, FailedRunStillGivesAPage) {
   // Nothing listens on port 1 of 127.0.0.1.
   const Outcome run =
       RunProgram(ATTENTION_LOADTEST_BIN,
-          absl::StrCat("--target 127.0.0.1:1 --connect_timeout 1s --duration 1s --html ", dir,
-                       "/failed.html"),
-          dir);
+                 absl::StrCat("--target 127.0.0.1:1 --connect_timeout 1s --duration 1s --html ",
+                              dir, "/failed.html"),
+                 dir);
   EXPECT_EQ(run.exit_code, 1);
   const std::string html = ReadWholeFile(dir + "/failed.html");
   EXPECT_THAT(html, HasSubstr("run: the run failed: "));
