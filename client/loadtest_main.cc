@@ -99,6 +99,9 @@ ABSL_FLAG(double, verify_atol, 1e-4, "--expected: absolute tolerance");
 ABSL_FLAG(double, verify_rtol, 1e-3, "--expected: tolerance relative to the expected value");
 
 ABSL_FLAG(std::string, json, "", "Write the results as JSON to this file");
+ABSL_FLAG(std::string, html, "",
+          "Write the report as one self-contained HTML page with charts to this file; "
+          "`attention_loadtest report RUN.json... --html FILE` makes one from --json reports");
 ABSL_FLAG(std::string, csv, "",
           "Append a row of results to this CSV file (writing the header if it is new)");
 ABSL_FLAG(std::string, histogram_log, "",
@@ -132,10 +135,12 @@ constexpr char kUsage[] = R"(load tests an attention service.
 
   attention_loadtest [--target HOST:PORT]... [--concurrency N | --rate R | --schedule S]
                      [--duration 10s | --requests N] [--model NAME | shape flags | --request FILE]
-                     [--json FILE] [--csv FILE] [--histogram_log FILE] [--threshold 'p99<20ms']...
+                     [--json FILE] [--html FILE] [--csv FILE] [--histogram_log FILE]
+                     [--threshold 'p99<20ms']...
   attention_loadtest --sessions N [--prefill P] [--steps T] [--session_dtype bfloat16]
                      [--model NAME | shape flags] [--json FILE] [--threshold ...]
   attention_loadtest merge LOG... [--json FILE] [--threshold ...]
+  attention_loadtest report RUN.json [RUN2.json...] --html FILE
 
 Exit codes: 0 ok, 1 bad command line or setup failure, 2 a threshold was broken.)";
 
@@ -225,6 +230,7 @@ attention::loadtest::LoadtestConfig ConfigFromFlags() {
 
   config.json_file = absl::GetFlag(FLAGS_json);
   config.csv_file = absl::GetFlag(FLAGS_csv);
+  config.html_file = absl::GetFlag(FLAGS_html);
   config.histogram_log_file = absl::GetFlag(FLAGS_histogram_log);
   const std::optional<bool> progress = absl::GetFlag(FLAGS_progress);
   config.progress = progress.has_value() ? *progress : isatty(STDERR_FILENO) == 1;
@@ -262,9 +268,14 @@ int main(int argc, char** argv) {
     const std::vector<std::string> files(positional.begin() + 2, positional.end());
     return attention::loadtest::RunMerge(files, config, std::cout, std::cerr);
   }
+  if (positional.size() > 1 && absl::string_view(positional[1]) == "report") {
+    const std::vector<std::string> files(positional.begin() + 2, positional.end());
+    return attention::loadtest::RunHtmlReport(files, config, std::cout, std::cerr);
+  }
   if (positional.size() > 1) {
-    std::cerr << "error: unexpected argument \"" << positional[1]
-              << "\"; the only command is merge. Run 'attention_loadtest --help' for usage.\n";
+    std::cerr
+        << "error: unexpected argument \"" << positional[1]
+        << "\"; the commands are merge and report. Run 'attention_loadtest --help' for usage.\n";
     return attention::loadtest::kExitSetup;
   }
   std::signal(SIGINT, OnInterrupt);

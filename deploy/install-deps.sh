@@ -23,6 +23,9 @@ packages=(
 # Debian's Python with grpcio, protobuf, numpy and torch; pip, setuptools and
 # venv install the package (deploy/install-python-client.sh).
 packages+=(python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-pip python3-setuptools python3-venv)
+# attention_loadtest's HTML report tests (tests/loadtest/html_report_test.cc)
+# open its pages in headless Chromium.
+packages+=(chromium)
 # --fuzz (deploy/fuzz.sh): Clang with libFuzzer and its sanitizer runtimes,
 # llvm-symbolizer for readable reports, and libomp-14-dev for Clang's omp.h
 # only (the fuzz build links GCC's libgomp, as oneDNN does).

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/loadtest/h2_transport.h"
+#include "client/loadtest/html_report.h"
 #include "client/loadtest/report.h"
 #include "client/loadtest/runner.h"
 #include "client/loadtest/schedule.h"
@@ -130,6 +131,26 @@ absl::Status AppendCsv(const std::string& path, const Report& report) {
   return absl::OkStatus();
 }
 
+// --html: the page of one run, or of why it failed (`json` empty, `error`
+// set).
+absl::Status WriteHtml(const std::string& path, std::string json, std::string error) {
+  ATTN_ASSIGN_OR_RETURN(const std::string html,
+                        FormatHtml({HtmlRun{"run", std::move(json), std::move(error)}}));
+  return WriteFile(path, html);
+}
+
+// A setup or run failure: the error line, and the page saying so with --html.
+int Fail(const LoadtestConfig& config, const absl::Status& status, std::ostream& err) {
+  err << "error: " << status.message() << "\n";
+  if (!config.html_file.empty()) {
+    if (absl::Status written = WriteHtml(config.html_file, "", std::string(status.message()));
+        !written.ok()) {
+      err << "error: " << written.message() << "\n";
+    }
+  }
+  return kExitSetup;
+}
+
 absl::StatusOr<std::vector<Threshold>> ParseThresholds(const std::vector<std::string>& texts) {
   std::vector<Threshold> thresholds;
   for (const std::string& text : texts) {
@@ -147,6 +168,8 @@ int Conclude(Report& report, const std::vector<Threshold>& thresholds, const Loa
   out.flush();
   absl::Status written = absl::OkStatus();
   if (!config.json_file.empty()) written.Update(WriteFile(config.json_file, FormatJson(report)));
+  if (!config.html_file.empty())
+    written.Update(WriteHtml(config.html_file, FormatJson(report), ""));
   if (!config.csv_file.empty()) written.Update(AppendCsv(config.csv_file, report));
   if (!config.histogram_log_file.empty()) {
     written.Update(WriteFile(config.histogram_log_file, report.stats.ToLog()));
@@ -385,6 +408,7 @@ absl::Status RunSessionLoad(Prepared& prepared, const std::atomic<bool>* interru
   ATTN_ASSIGN_OR_RETURN(SessionRunResult result, RunSessions(options));
   report->stats = std::move(result.stats);
   report->sessions = std::move(result.sessions);
+  report->timeline = std::move(result.timeline);
   return absl::OkStatus();
 }
 
@@ -430,18 +454,14 @@ int RunLoadtest(const LoadtestConfig& config, std::ostream& out, std::ostream& e
                 const std::atomic<bool>* interrupted) {
   Prepared prepared;
   if (absl::Status status = Prepare(config, &prepared); !status.ok()) {
-    err << "error: " << status.message() << "\n";
-    return kExitSetup;
+    return Fail(config, status, err);
   }
   Report report;
   report.run = prepared.description;
   const absl::Status ran = prepared.sessions.has_value()
                                ? RunSessionLoad(prepared, interrupted, &report)
                                : RunScheduledLoad(prepared, config, err, interrupted, &report);
-  if (!ran.ok()) {
-    err << "error: " << ran.message() << "\n";
-    return kExitSetup;
-  }
+  if (!ran.ok()) return Fail(config, ran, err);
   if (interrupted != nullptr && interrupted->load()) {
     err << "interrupted: the report covers the run until then\n";
   }
@@ -473,6 +493,38 @@ int RunMerge(const std::vector<std::string>& files, const LoadtestConfig& config
     report.stats.Merge(*stats);
   }
   return Conclude(report, *thresholds, config, out, err);
+}
+
+int RunHtmlReport(const std::vector<std::string>& files, const LoadtestConfig& config,
+                  std::ostream& out, std::ostream& err) {
+  if (config.html_file.empty()) {
+    err << "error: report writes the page --html FILE names; none given\n";
+    return kExitSetup;
+  }
+  if (files.empty()) {
+    err << "error: report needs the JSON reports (--json files) of one or more runs\n";
+    return kExitSetup;
+  }
+  std::vector<HtmlRun> runs;
+  for (const std::string& file : files) {
+    std::ifstream in(file, std::ios::binary);
+    std::ostringstream text;
+    text << in.rdbuf();
+    if (!in.is_open() || in.bad()) {
+      err << "error: " << file << ": cannot be read\n";
+      return kExitSetup;
+    }
+    runs.push_back(HtmlRun{file, text.str(), ""});
+  }
+  absl::StatusOr<std::string> html = FormatHtml(runs);
+  absl::Status written = html.ok() ? WriteFile(config.html_file, *html) : html.status();
+  if (!written.ok()) {
+    err << "error: " << written.message() << "\n";
+    return kExitSetup;
+  }
+  out << "wrote " << config.html_file << " (" << files.size()
+      << (files.size() == 1 ? " run)\n" : " runs)\n");
+  return kExitOk;
 }
 
 }  // namespace attention::loadtest

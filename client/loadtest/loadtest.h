@@ -68,6 +68,7 @@ struct LoadtestConfig {
   std::string json_file;
   std::string csv_file;  // a row per run, appended under the header
   std::string histogram_log_file;
+  std::string html_file;  // html_report.h's page; written for failed runs too
   std::vector<std::string> thresholds;
   bool progress = false;  // the live line on `err`
   absl::Duration progress_interval = absl::Seconds(1);
@@ -98,6 +99,13 @@ int RunLoadtest(const LoadtestConfig& config, std::ostream& out, std::ostream& e
 // and thresholds. Exit codes as RunLoadtest's.
 int RunMerge(const std::vector<std::string>& files, const LoadtestConfig& config, std::ostream& out,
              std::ostream& err);
+
+// attention_loadtest report: the HTML page (config.html_file) of the runs
+// whose --json reports are `files`, overlaid, each labelled by its file.
+// kExitOk, or kExitSetup (one line "error: ..." on `err`) when --html is not
+// given or a file cannot be read, is not such a report, or cannot be written.
+int RunHtmlReport(const std::vector<std::string>& files, const LoadtestConfig& config,
+                  std::ostream& out, std::ostream& err);
 
 }  // namespace attention::loadtest
 

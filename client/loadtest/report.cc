@@ -40,7 +40,7 @@ Json HistogramJson(const Histogram& histogram) {
   json["count"] = histogram.count();
   json["min"] = Microseconds(static_cast<double>(histogram.min()));
   json["mean"] = Microseconds(histogram.mean());
-  for (const ReportedQuantile& q : kReportedQuantiles) {
+  for (const ReportedQuantile& q : JsonQuantiles()) {
     json[q.key] = Microseconds(static_cast<double>(histogram.ValueAtQuantile(q.quantile)));
   }
   json["max"] = Microseconds(static_cast<double>(histogram.max()));
@@ -55,22 +55,6 @@ double MeanBatchSize(const LoadStats& stats) {
     requests += stats.batch_sizes[size] * static_cast<int64_t>(size);
   }
   return answers == 0 ? 0 : static_cast<double>(requests) / static_cast<double>(answers);
-}
-
-// "1.23 GB", "456 MB": bytes for people, in powers of 1000.
-std::string FormatBytes(double bytes) {
-  constexpr const char* kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
-  size_t unit = 0;
-  while (bytes >= 999.5 && unit + 1 < std::size(kUnits)) {
-    bytes /= 1000;
-    ++unit;
-  }
-  return unit == 0 ? absl::StrFormat("%.0f B", bytes)
-                   : absl::StrFormat("%.*f %s",
-                                     bytes < 9.995   ? 2
-                                     : bytes < 99.95 ? 1
-                                                     : 0,
-                                     bytes, kUnits[unit]);
 }
 
 // The summary's row of `histogram`'s quantiles and max, with `note`.
@@ -136,6 +120,29 @@ std::string DescribeRun(const RunDescription& run) {
 }
 
 }  // namespace
+
+std::vector<ReportedQuantile> JsonQuantiles() {
+  std::vector<ReportedQuantile> quantiles(std::begin(kReportedQuantiles),
+                                          std::end(kReportedQuantiles));
+  quantiles.insert(quantiles.end(), std::begin(kExtraJsonQuantiles),
+                   std::end(kExtraJsonQuantiles));
+  return quantiles;
+}
+
+std::string FormatBytes(double bytes) {
+  constexpr const char* kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+  size_t unit = 0;
+  while (bytes >= 999.5 && unit + 1 < std::size(kUnits)) {
+    bytes /= 1000;
+    ++unit;
+  }
+  return unit == 0 ? absl::StrFormat("%.0f B", bytes)
+                   : absl::StrFormat("%.*f %s",
+                                     bytes < 9.995   ? 2
+                                     : bytes < 99.95 ? 1
+                                                     : 0,
+                                     bytes, kUnits[unit]);
+}
 
 std::string FormatSummary(const Report& report) {
   const LoadStats& stats = report.stats;
@@ -279,15 +286,31 @@ std::string FormatJson(const Report& report) {
                  {"cores", stats.cores},
                  {"percent_of_machine", stats.cpu_percent()}};
   Json timeline = Json::array();
+  double previous_t_s = 0;
   for (const TimelinePoint& point : report.timeline) {
-    timeline.push_back({{"t_s", point.t_s},
-                        {"target", point.target},
-                        {"sent", point.sent},
-                        {"completed", point.completed},
-                        {"errors", point.errors},
-                        {"p50_us", Microseconds(static_cast<double>(point.p50_ns))},
-                        {"p99_us", Microseconds(static_cast<double>(point.p99_ns))},
-                        {"max_us", Microseconds(static_cast<double>(point.max_ns))}});
+    // Counts per second of the interval (the last one may be short).
+    const double interval_s = point.t_s - previous_t_s;
+    previous_t_s = point.t_s;
+    auto per_s = [interval_s](double count) { return interval_s > 0 ? count / interval_s : 0; };
+    Json entry = {{"t_s", point.t_s},
+             {"interval_s", interval_s},
+             {"target", point.target},
+             {"sent", point.sent},
+             {"completed", point.completed},
+             {"errors", point.errors},
+             {"sent_per_s", per_s(static_cast<double>(point.sent))},
+             {"completed_per_s", per_s(static_cast<double>(point.completed))},
+             {"errors_per_s", per_s(static_cast<double>(point.errors))},
+             {"p50_us", Microseconds(static_cast<double>(point.p50_ns))},
+             {"p99_us", Microseconds(static_cast<double>(point.p99_ns))},
+             {"max_us", Microseconds(static_cast<double>(point.max_ns))}};
+    if (report.sessions.has_value()) {
+      entry["steps"] = point.steps;
+      entry["steps_per_s"] = per_s(static_cast<double>(point.steps));
+      entry["cache_bytes_read"] = point.cache_bytes_read;
+      entry["cache_bytes_read_per_s"] = per_s(point.cache_bytes_read);
+    }
+    timeline.push_back(std::move(entry));
   }
   json["timeline"] = timeline;
   Json thresholds = Json::array();

@@ -46,13 +46,21 @@ struct ReportedQuantile {
 };
 inline constexpr ReportedQuantile kReportedQuantiles[] = {
     {"p50", 0.5}, {"p90", 0.9}, {"p99", 0.99}, {"p99.9", 0.999}, {"p99.99", 0.9999}};
+// The JSON's histograms hold these too (then max): the HTML report's
+// percentile curves reach 99.999%.
+inline constexpr ReportedQuantile kExtraJsonQuantiles[] = {{"p99.999", 0.99999}};
+// kReportedQuantiles, then kExtraJsonQuantiles.
+std::vector<ReportedQuantile> JsonQuantiles();
+
+// "1.23 GB", "456 MB": bytes for people, in powers of 1000.
+std::string FormatBytes(double bytes);
 
 // The readable summary for stdout.
 std::string FormatSummary(const Report& report);
 // One JSON object: throughput_rps, requests, errors (by code), latency_us and
-// uncorrected_latency_us (p50 ... p99.99, max, with min, mean and count),
+// uncorrected_latency_us (p50 ... p99.999, max, with min, mean and count),
 // send lateness, the server's queue and compute times, batch sizes, CPU use,
-// the timeline and the thresholds.
+// the timeline (with each interval's rates) and the thresholds.
 std::string FormatJson(const Report& report);
 // A CSV header and one row of a run's numbers (latencies in microseconds):
 // runs append rows under one header.

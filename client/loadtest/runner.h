@@ -47,6 +47,10 @@ struct TimelinePoint {
   int64_t p50_ns = 0;
   int64_t p99_ns = 0;
   int64_t max_ns = 0;
+  // --sessions: steps answered OK in the interval, and the cache bytes they
+  // read (SessionStats::cache_bytes_read's share).
+  int64_t steps = 0;
+  double cache_bytes_read = 0;
 };
 
 // How calls travel: gRPC's C++ client, or HTTP/2 through nghttp2

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/attention_client.h"
@@ -85,11 +86,79 @@ class StepCpu {
   rusage end_{};
 };
 
+// The run's steps by the second they were sent or answered in, shared by
+// the decoders. Thread-safe.
+class StepTimeline {
+ public:
+  void Sent(int64_t at_ns) {
+    absl::MutexLock lock(&mu_);
+    ++At(at_ns).sent;
+  }
+  // A step answered (or failed) at `at_ns` after `latency_ns`; an OK one
+  // read `cache_bytes`.
+  void Answered(int64_t at_ns, int64_t latency_ns, bool ok, double cache_bytes) {
+    absl::MutexLock lock(&mu_);
+    Second& second = At(at_ns);
+    ++second.completed;
+    second.latency.Record(latency_ns);
+    if (ok) {
+      ++second.steps;
+      second.cache_bytes_read += cache_bytes;
+    } else {
+      ++second.errors;
+    }
+  }
+  // The points, the last one ending at `end_ns` (the last answer).
+  std::vector<TimelinePoint> Points(int64_t end_ns) {
+    absl::MutexLock lock(&mu_);
+    std::vector<TimelinePoint> points;
+    for (size_t i = 0; i < seconds_.size(); ++i) {
+      const Second& second = seconds_[i];
+      points.push_back(TimelinePoint{
+          .t_s = std::min(static_cast<double>(i + 1),
+                          std::max(static_cast<double>(i), static_cast<double>(end_ns) * 1e-9)),
+          .sent = second.sent,
+          .completed = second.completed,
+          .errors = second.errors,
+          .p50_ns = second.latency.ValueAtQuantile(0.5),
+          .p99_ns = second.latency.ValueAtQuantile(0.99),
+          .max_ns = second.latency.max(),
+          .steps = second.steps,
+          .cache_bytes_read = second.cache_bytes_read,
+      });
+    }
+    return points;
+  }
+
+ private:
+  struct Second {
+    int64_t sent = 0;
+    int64_t completed = 0;
+    int64_t errors = 0;
+    int64_t steps = 0;
+    double cache_bytes_read = 0;
+    Histogram latency;
+  };
+  Second& At(int64_t at_ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t index = static_cast<size_t>(std::max<int64_t>(at_ns, 0) / 1'000'000'000);
+    if (index >= seconds_.size()) seconds_.resize(index + 1);
+    return seconds_[index];
+  }
+
+  absl::Mutex mu_;
+  std::vector<Second> seconds_ ABSL_GUARDED_BY(mu_);
+};
+
 class Decoder {
  public:
   Decoder(const SessionLoadOptions& options, client::AttentionClient* client, std::string id,
-          Clock::time_point start, StepCpu* cpu)
-      : options_(options), client_(client), id_(std::move(id)), start_(start), cpu_(cpu) {}
+          Clock::time_point start, StepCpu* cpu, StepTimeline* timeline)
+      : options_(options),
+        client_(client),
+        id_(std::move(id)),
+        start_(start),
+        cpu_(cpu),
+        timeline_(timeline) {}
 
   DecoderResult Run() {
     client::SessionOptions session_options;
@@ -158,6 +227,7 @@ class Decoder {
     const int64_t sent_ns = NanosSince(start_);
     result_.first_step_ns = std::min(result_.first_step_ns, sent_ns);
     ++result_.stats.sent;
+    timeline_->Sent(sent_ns);
     const int64_t recreations = session.recreations();
     absl::StatusOr<v1::AttendResponse> answer = Send(session, options_.step);
     const int64_t done_ns = NanosSince(start_);
@@ -167,6 +237,7 @@ class Decoder {
     stats.uncorrected_latency.Record(done_ns - sent_ns);
     stats.send_lateness.Record(0);
     if (!answer.ok()) {
+      timeline_->Answered(done_ns, done_ns - sent_ns, /*ok=*/false, 0);
       CountFailure(answer.status(), &stats);
       lost_ = answer.status().code() == absl::StatusCode::kNotFound;
       return false;
@@ -188,8 +259,10 @@ class Decoder {
     SessionStats::Replica& replica = result_.sessions.replicas[session.replica()];
     ++replica.steps;
     if (session.recreations() > recreations) ++replica.created;
-    result_.sessions.cache_bytes_read +=
+    const double cache_bytes =
         static_cast<double>(session.position()) * static_cast<double>(options_.cache_row_bytes);
+    result_.sessions.cache_bytes_read += cache_bytes;
+    timeline_->Answered(done_ns, done_ns - sent_ns, /*ok=*/true, cache_bytes);
     return true;
   }
 
@@ -198,6 +271,7 @@ class Decoder {
   const std::string id_;
   const Clock::time_point start_;
   StepCpu* cpu_;
+  StepTimeline* timeline_;
   DecoderResult result_;
   // A step found the session gone (NOT_FOUND): there is nothing to close.
   bool lost_ = false;
@@ -258,6 +332,7 @@ absl::StatusOr<SessionRunResult> RunSessions(const SessionLoadOptions& options) 
           : options.id_prefix;
 
   StepCpu cpu(options.sessions);
+  StepTimeline timeline;
   const Clock::time_point start = Clock::now();
   std::vector<DecoderResult> results(options.sessions);
   std::vector<std::thread> threads;
@@ -265,7 +340,7 @@ absl::StatusOr<SessionRunResult> RunSessions(const SessionLoadOptions& options) 
   for (int64_t i = 0; i < options.sessions; ++i) {
     threads.emplace_back([&, i] {
       Decoder decoder(options, clients[i % clients.size()].get(), absl::StrCat(prefix, i), start,
-                      &cpu);
+                      &cpu, &timeline);
       results[i] = decoder.Run();
     });
   }
@@ -292,6 +367,7 @@ absl::StatusOr<SessionRunResult> RunSessions(const SessionLoadOptions& options) 
   stats.send_window_s = stats.duration_s;
   cpu.Read(&stats.cpu_user_s, &stats.cpu_system_s);
   stats.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  run.timeline = timeline.Points(last_step_ns);
   return run;
 }
 

@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "attention/v1/attention.pb.h"
 #include "client/attention_client.h"
+#include "client/loadtest/runner.h"
 #include "client/loadtest/stats.h"
 #include "client/loadtest/workload.h"
 
@@ -62,6 +63,10 @@ struct SessionRunResult {
   // window from the first step sent to the last one answered, CPU.
   LoadStats stats;
   SessionStats sessions;
+  // The steps second by second, from the decoders' start (their prefills
+  // included): sent by send time, answered, failed and their latencies by
+  // answer time; target is 0.
+  std::vector<TimelinePoint> timeline;
 };
 
 // Cache bytes one row of a session holds: kv_heads x (key_dim + value_dim) x
