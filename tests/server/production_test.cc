@@ -266,6 +266,27 @@ bool WaitForOneInFlight(const server::Metrics& metrics) {
   return in_flight() == 1;
 }
 
+// A second connection to `server` for checks during a drain: not queued
+// behind a big answer, and not retrying UNAVAILABLE.
+absl::StatusOr<std::unique_ptr<client::AttentionClient>> DrainChecker(TestServer& server) {
+  client::ClientOptions options;
+  options.target = server.server().address();
+  options.own_connection = true;
+  options.max_attempts = 1;
+  return client::AttentionClient::Create(options);
+}
+
+// Health as `checker` sees it, once it is NOT_SERVING or after 1 s.
+absl::StatusOr<std::string> WaitForNotServing(client::AttentionClient& checker) {
+  absl::StatusOr<std::string> health;
+  for (int i = 0; i < 1000; ++i) {
+    health = checker.Health();
+    if (health.ok() && *health == "NOT_SERVING") break;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return health;
+}
+
 // SIGTERM's path: Shutdown() while a call is computing lets it finish, and its
 // whole answer (128 MiB, far more than a socket holds) reach the caller, while
 // new calls are refused and idle streams end.
@@ -273,13 +294,7 @@ TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
   auto server = StartForDrain();
   ASSERT_THAT(server, IsOk());
   client::AttentionClient& client = (*server)->client();
-  // The checks during the drain go over a second connection, not queued
-  // behind the big answer, and do not retry UNAVAILABLE.
-  client::ClientOptions checker_options;
-  checker_options.target = (*server)->server().address();
-  checker_options.own_connection = true;
-  checker_options.max_attempts = 1;
-  auto checker = client::AttentionClient::Create(checker_options);
+  auto checker = DrainChecker(**server);
   ASSERT_THAT(checker, IsOk());
   std::unique_ptr<v1::AttentionService::Stub> stub =
       v1::AttentionService::NewStub((*checker)->channel());
@@ -296,12 +311,7 @@ TEST(DrainTest, ShutdownFinishesCallsInFlightAndRefusesNewOnes) {
   std::thread caller([&] { in_flight = client.Attend(big); });
   ASSERT_TRUE(WaitForOneInFlight((*server)->server().metrics()));
   std::thread stopper([&] { (*server)->server().Shutdown(); });
-  absl::StatusOr<std::string> health;
-  for (int i = 0; i < 1000; ++i) {
-    health = (*checker)->Health();
-    if (health.ok() && *health == "NOT_SERVING") break;
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  const absl::StatusOr<std::string> health = WaitForNotServing(**checker);
   EXPECT_THAT(health, IsOkAndHolds("NOT_SERVING"));
   // Refused by the service itself ("shutting down"), while the big call keeps
   // the connection open.
@@ -362,11 +372,7 @@ TEST(DrainTest, SessionsAnswerNotFoundOnceDraining) {
   auto server = StartForDrain();
   ASSERT_THAT(server, IsOk());
   client::AttentionClient& client = (*server)->client();
-  client::ClientOptions checker_options;
-  checker_options.target = (*server)->server().address();
-  checker_options.own_connection = true;
-  checker_options.max_attempts = 1;
-  auto checker = client::AttentionClient::Create(checker_options);
+  auto checker = DrainChecker(**server);
   ASSERT_THAT(checker, IsOk());
   v1::AttendRequest create = Small();
   create.mutable_session()->add_ids("leaving");
@@ -380,12 +386,7 @@ TEST(DrainTest, SessionsAnswerNotFoundOnceDraining) {
   std::thread caller([&] { in_flight = client.Attend(big); });
   ASSERT_TRUE(WaitForOneInFlight((*server)->server().metrics()));
   std::thread stopper([&] { (*server)->server().Shutdown(); });
-  absl::StatusOr<std::string> health;
-  for (int i = 0; i < 1000; ++i) {
-    health = (*checker)->Health();
-    if (health.ok() && *health == "NOT_SERVING") break;
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  const absl::StatusOr<std::string> health = WaitForNotServing(**checker);
   ASSERT_THAT(health, IsOkAndHolds("NOT_SERVING"));
   v1::AttendRequest step = Small();
   step.mutable_session()->add_ids("leaving");

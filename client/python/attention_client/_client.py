@@ -68,15 +68,7 @@ class Client:
 
         def encoded():
             for index, item in enumerate(requests):
-                args = dict(fields)
-                args.update(item)
-                if args.get("id") in (None, ""):
-                    args["id"] = str(index)
-                query, key, value = args.pop("query", None), args.pop("key", None), args.pop(
-                    "value", None)
-                raw, kind = _request.build(query, key, value, args)
-                kinds.setdefault(str(args["id"]), []).append(kind)
-                yield raw
+                yield _request.build_stream_item(index, item, fields, kinds)
 
         call = self._attend_stream(encoded(), timeout=self._settings.call_timeout(timeout),
                                    metadata=self._settings.metadata)

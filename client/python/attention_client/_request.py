@@ -108,3 +108,17 @@ def build(query, key, value, fields, session=None):
     if session is not None:
         request.session.CopyFrom(session)
     return _wire.encode(request, tensors), _wire.kind_of(query)
+
+
+def build_stream_item(index, item, fields, kinds):
+    """The bytes of the `index`-th request of a stream: `item` (a dict of
+    attend()'s arguments) over the stream's `fields`, its id defaulting to
+    its index. Records the answer's kind under the id in `kinds`."""
+    args = dict(fields)
+    args.update(item)
+    if args.get("id") in (None, ""):
+        args["id"] = str(index)
+    query, key, value = args.pop("query", None), args.pop("key", None), args.pop("value", None)
+    raw, kind = build(query, key, value, args)
+    kinds.setdefault(str(args["id"]), []).append(kind)
+    return raw

@@ -64,26 +64,15 @@ class Client:
         iterable or an async iterable of dicts."""
         kinds = {}
 
-        def encode(index, item):
-            args = dict(fields)
-            args.update(item)
-            if args.get("id") in (None, ""):
-                args["id"] = str(index)
-            query, key, value = args.pop("query", None), args.pop("key", None), args.pop(
-                "value", None)
-            raw, kind = _request.build(query, key, value, args)
-            kinds.setdefault(str(args["id"]), []).append(kind)
-            return raw
-
         async def encoded():
             if hasattr(requests, "__aiter__"):
                 index = 0
                 async for item in requests:
-                    yield encode(index, item)
+                    yield _request.build_stream_item(index, item, fields, kinds)
                     index += 1
             else:
                 for index, item in enumerate(requests):
-                    yield encode(index, item)
+                    yield _request.build_stream_item(index, item, fields, kinds)
 
         call = self._attend_stream(encoded(), timeout=self._settings.call_timeout(timeout),
                                    metadata=self._settings.metadata)
