@@ -11,12 +11,15 @@
 ARG BASE_IMAGE=debian:bookworm-slim
 
 FROM ${BASE_IMAGE} AS build
-# The same package list as a host build: deploy/install-deps.sh.
+# What a host build needs, without the tests' tools: deploy/install-deps.sh.
 COPY deploy/install-deps.sh /tmp/install-deps.sh
-RUN bash /tmp/install-deps.sh && rm -rf /var/lib/apt/lists/* /tmp/install-deps.sh
+RUN bash /tmp/install-deps.sh --build-only && rm -rf /var/lib/apt/lists/* /tmp/install-deps.sh
 WORKDIR /src
 # Only what the binaries are built from, so edits elsewhere keep this layer cached.
 COPY CMakeLists.txt ./
+# cmake/ and deploy/debian/: the install rules' templates, which configuring reads.
+COPY cmake/ cmake/
+COPY deploy/debian/ deploy/debian/
 COPY proto/ proto/
 COPY common/ common/
 COPY engine/ engine/

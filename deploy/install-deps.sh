@@ -1,37 +1,42 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages that building and testing need (with
-# --fuzz, also what deploy/fuzz.sh needs), only those missing; runs apt-get
+# --fuzz, also what deploy/fuzz.sh needs; with --build-only, only what
+# building needs), only those missing; runs apt-get
 # update only when a missing package has no candidate or the install fails on
 # stale lists. Idempotent; installing needs root.
 set -euo pipefail
 
 # ocl-icd-opencl-dev: only recommended by libdnnl-dev, but its CMake config
-# (find_package(dnnl)) fails without OpenCL's library and headers. haproxy:
-# the proxy session_proxy_test routes sessions through; prometheus (with
-# promtool): prometheus_test and prometheus_rules; dpkg-dev (dpkg-shlibdeps),
-# lintian and systemd (systemd-analyze): deb_package.
+# (find_package(dnnl)) fails without OpenCL's library and headers.
 packages=(
   cmake ninja-build g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libdnnl-dev ocl-icd-opencl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libssl-dev openssl jq
   libnghttp2-dev
-  haproxy prometheus
-  dpkg-dev lintian systemd
 )
-# The Python client (client/python) and its tests (python_client_test):
-# Debian's Python with grpcio, protobuf, numpy and torch; pip, setuptools and
-# venv install the package (deploy/install-python-client.sh).
-packages+=(python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-pip python3-setuptools python3-venv)
-# attention_loadtest's HTML report tests (tests/loadtest/html_report_test.cc)
-# open its pages in headless Chromium.
-packages+=(chromium)
+# What the tests run beyond our binaries (not with --build-only, which the
+# image's build stage uses): haproxy, the proxy session_proxy_test routes
+# sessions through; prometheus (with promtool): prometheus_test and
+# prometheus_rules; dpkg-dev (dpkg-shlibdeps), lintian and systemd
+# (systemd-analyze): deb_package; Debian's Python with grpcio, protobuf, numpy
+# and torch, and pip, setuptools and venv to install the Python client
+# (client/python, python_client_test, deploy/install-python-client.sh);
+# chromium: the load tester's HTML report tests open their pages in it.
+test_packages=(
+  haproxy prometheus dpkg-dev lintian systemd
+  python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-pip
+  python3-setuptools python3-venv
+  chromium
+)
 # --fuzz (deploy/fuzz.sh): Clang with libFuzzer and its sanitizer runtimes,
 # llvm-symbolizer for readable reports, and libomp-14-dev for Clang's omp.h
 # only (the fuzz build links GCC's libgomp, as oneDNN does).
-if [[ ${1:-} == --fuzz ]]; then
-  packages+=(clang libclang-rt-14-dev llvm-14 libomp-14-dev)
-fi
+case ${1:-} in
+  --build-only) ;;
+  --fuzz) packages+=("${test_packages[@]}" clang libclang-rt-14-dev llvm-14 libomp-14-dev) ;;
+  *) packages+=("${test_packages[@]}") ;;
+esac
 
 installed() {
   [[ $(dpkg-query -W -f='${db:Status-Abbrev}' "$1" 2>/dev/null) == ii* ]]

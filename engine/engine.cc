@@ -422,8 +422,11 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       std::vector<absl::StatusOr<AttentionResult>> rows(
           std::make_move_iterator(begin),
           std::make_move_iterator(begin + sessions[i]->shape.batch));
+      // Named, not the binding itself: Clang 14 (the fuzz build's) cannot
+      // capture a structured binding in a lambda.
+      internal::SessionPlan& plan = *sessions[i];
       absl::Status gathered = OutOfMemoryAsStatus("session results", [&] {
-        return internal::GatherRowResults(*sessions[i], std::move(rows));
+        return internal::GatherRowResults(plan, std::move(rows));
       });
       if (gathered.ok()) {
         results[i] = internal::TakeResult(*sessions[i]);
