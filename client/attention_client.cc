@@ -144,8 +144,8 @@ absl::StatusOr<Response> Call(const ClientOptions& options, Stub& stub, Method m
 }
 
 // `call.affinity`, or `fallback` when it is empty.
-const std::string& AffinityOf(const CallOptions& call, const std::string& fallback) {
-  return call.affinity.empty() ? fallback : call.affinity;
+std::string AffinityOf(const CallOptions& call, absl::string_view fallback) {
+  return call.affinity.empty() ? std::string(fallback) : call.affinity;
 }
 
 }  // namespace
@@ -203,9 +203,8 @@ AttentionClient::AttentionClient(const ClientOptions& options,
 
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request,
                                                            const CallOptions& call) {
-  static const std::string kNone;
-  const std::string& first =
-      request.session().ids().empty() ? kNone : request.session().ids(0);
+  const absl::string_view first =
+      request.session().ids().empty() ? absl::string_view() : request.session().ids(0);
   return Call<v1::AttendResponse>(options_, *stub_, &v1::AttentionService::Stub::Attend, request,
                                   call, AffinityOf(call, first));
 }
@@ -231,10 +230,9 @@ absl::StatusOr<v1::CloseSessionsResponse> AttentionClient::CloseSessions(
     const std::vector<std::string>& ids, const CallOptions& call) {
   v1::CloseSessionsRequest request;
   request.mutable_ids()->Assign(ids.begin(), ids.end());
-  static const std::string kNone;
-  return Call<v1::CloseSessionsResponse>(options_, *stub_,
-                                         &v1::AttentionService::Stub::CloseSessions, request, call,
-                                         AffinityOf(call, ids.empty() ? kNone : ids.front()));
+  return Call<v1::CloseSessionsResponse>(
+      options_, *stub_, &v1::AttentionService::Stub::CloseSessions, request, call,
+      AffinityOf(call, ids.empty() ? absl::string_view() : absl::string_view(ids.front())));
 }
 
 absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& id,

@@ -29,6 +29,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/loadtest/known_stats.h"
 #include "tests/safetensors_writer.h"
 #include "tests/status_matchers.h"
 
@@ -194,24 +195,10 @@ std::vector<std::string> OpenInChromium(const std::string& html_path, const std:
 // 1000 calls over two seconds, 5 failed, with a timeline and thresholds.
 Report KnownReport() {
   Report report;
-  LoadStats& stats = report.stats;
-  stats.latency.Record(1'000'000, 990);
-  stats.latency.Record(100'000'000, 10);
-  stats.uncorrected_latency.Record(900'000, 1000);
-  stats.send_lateness.Record(20'000, 1000);
-  stats.server_queue.Record(300'000, 995);
-  stats.server_compute.Record(50'000, 995);
-  stats.calls_by_code[0] = 995;
-  stats.calls_by_code[14] = 5;
-  stats.RecordBatchSize(1, 900);
-  stats.RecordBatchSize(4, 95);
-  stats.first_error = "UNAVAILABLE: connection refused";
-  stats.sent = 1000;
-  stats.duration_s = 2;
-  stats.send_window_s = 2;
-  stats.cpu_user_s = 0.5;
-  stats.cpu_system_s = 0.1;
-  stats.cores = 2;
+  report.stats = KnownStats();
+  // Uncorrected below the corrected latency, so the curves differ.
+  report.stats.uncorrected_latency.Clear();
+  report.stats.uncorrected_latency.Record(900'000, 1000);
   report.run.emplace();
   report.run->targets = {"127.0.0.1:5000"};
   report.run->open_loop = true;

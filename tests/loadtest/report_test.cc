@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/loadtest/known_stats.h"
 #include "tests/status_matchers.h"
 
 namespace attention::loadtest {
@@ -27,29 +28,6 @@ using ::attention::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Optional;
-
-// 1000 calls: 990 at 1 ms, 10 at 100 ms; 5 of them UNAVAILABLE.
-LoadStats KnownStats() {
-  LoadStats stats;
-  stats.latency.Record(1'000'000, 990);
-  stats.latency.Record(100'000'000, 10);
-  stats.uncorrected_latency = stats.latency;
-  stats.send_lateness.Record(20'000, 1000);
-  stats.server_queue.Record(300'000, 995);
-  stats.server_compute.Record(50'000, 995);
-  stats.calls_by_code[0] = 995;
-  stats.calls_by_code[14] = 5;
-  stats.RecordBatchSize(1, 900);
-  stats.RecordBatchSize(4, 95);
-  stats.first_error = "UNAVAILABLE: connection refused";
-  stats.sent = 1000;
-  stats.duration_s = 2;
-  stats.send_window_s = 2;
-  stats.cpu_user_s = 0.5;
-  stats.cpu_system_s = 0.1;
-  stats.cores = 2;
-  return stats;
-}
 
 std::vector<ThresholdResult> Evaluate(const std::vector<std::string>& texts) {
   std::vector<Threshold> thresholds;
