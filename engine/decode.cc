@@ -39,25 +39,25 @@ struct Unit {
 };
 
 // Folds a block's scores s[0, visible) of one query row (already scaled)
-// into the row's running softmax [m, l, acc...] at row_partial: rescales acc
-// to the new max and turns s[0, n) into the weights of the block's value
-// rows, exp(s - max) below `visible` and 0 from there on, which the caller
-// then adds to acc.
-void Prepare(float* s, int64_t visible, int64_t n, int64_t value_dim, float* row_partial) {
+// into the row's running softmax [m, l, ...] at row_partial and turns s[0, n)
+// into the weights of the block's value rows: exp(s - max) below `visible`,
+// 0 from there on. Returns the factor the row's weighted sum of values must
+// be multiplied by first (the old max's exponentials rescaled to the new).
+float Prepare(float* s, int64_t visible, int64_t n, float* row_partial) {
   float& m = row_partial[0];
   float& l = row_partial[1];
   const float block_max = visible > 0 ? RowMax(s, visible) : -std::numeric_limits<float>::infinity();
   const float m_new = std::isnan(block_max) || block_max > m ? block_max : m;
   if (visible <= 0 || m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
     std::fill(s, s + n, 0.0f);
-    return;
+    return 1.0f;
   }
   const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - m_new);
   const float sum = ExpShiftSum(s, visible, m_new);
   std::fill(s + visible, s + n, 0.0f);
-  if (correction != 1.0f) Scale(row_partial + 2, value_dim, correction);
   l = l * correction + sum;
   m = m_new;
+  return correction;
 }
 
 // Up to kScoreRows query rows' scores against one block's keys at a time:
@@ -70,11 +70,14 @@ constexpr int kScoreRows = 4;
 // of them, prefetched meanwhile so that the thread keeps memory busy.
 using ScoresFn = void (*)(const float* const* q, int rows, const void* kt, int64_t n, int64_t d,
                           float scale, float* s, const char* next_k);
-// acc[r] += sum_{j < n} p[r * kBlockRows + j] v_j for `rows` rows, over
-// value rows v (row-major, dim d): each value row read once for all of them;
-// next_v as next_k.
-using AccumulateFn = void (*)(const float* p, int rows, float* const* acc, const void* v,
-                              int64_t n, int64_t d, const char* next_v);
+// Prepare for the kBlockRows scores of one row at s (n of them keys).
+using PrepareFn = float (*)(float* s, int64_t visible, int64_t n, float* row_partial);
+// acc[r] = acc[r] * correction[r] + sum_{j < n} p[r * kBlockRows + j] v_j
+// for `rows` rows, over value rows v (row-major, dim d): each value row read
+// once for all of them; next_v as next_k.
+using AccumulateFn = void (*)(const float* p, int rows, float* const* acc,
+                              const float* correction, const void* v, int64_t n, int64_t d,
+                              const char* next_v);
 
 template <bool kBf16>
 void GenericScores(const float* const* q, int rows, const void* kt, int64_t n, int64_t d,
@@ -91,9 +94,10 @@ void GenericScores(const float* const* q, int rows, const void* kt, int64_t n, i
 }
 
 template <bool kBf16>
-void GenericAccumulate(const float* p, int rows, float* const* acc, const void* v, int64_t n,
-                       int64_t d, const char*) {
+void GenericAccumulate(const float* p, int rows, float* const* acc, const float* correction,
+                       const void* v, int64_t n, int64_t d, const char*) {
   for (int r = 0; r < rows; ++r) {
+    if (correction[r] != 1.0f) Scale(acc[r], d, correction[r]);
     if (kBf16) {
       AccumulateRowsBFloat16(p + r * kBlockRows, static_cast<const uint16_t*>(v), n, d, acc[r]);
     } else {
@@ -165,49 +169,168 @@ ATTN_AVX512 void Avx512Scores(const float* const* q, int rows, const void* kt, i
   }
 }
 
-// d = 16 * kChunks, kRows rows: the sums stay in registers across the block.
-template <bool kBf16, int kChunks, int kRows>
-ATTN_AVX512 void Avx512AccumulateOf(const float* p, float* const* acc, const void* v, int64_t n,
-                                    const char* next_v) {
+// exp(x) for 16 lanes, as engine/kernels.cc's Exp (same reduction and
+// polynomial, fused multiply-adds): 0 below -87.34, NaN stays NaN. Only
+// called with x <= 0 or NaN (a score minus its row's max), so no overflow.
+ATTN_AVX512 inline __m512 Exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  // The second operand when NaN. (The maskz forms here: GCC 12 warns on the
+  // plain ones' undefined operand.)
+  const __m512 xc = _mm512_maskz_max_ps(0xFFFF, lo, x);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic);
+  const __m512 n = _mm512_sub_ps(t, magic);
+  const __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_castps_si512(magic));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y =
+      _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512 scale =
+      _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(y, scale));
+}
+
+// The largest and the sum of x's lanes (NaN lanes: see the callers).
+ATTN_AVX512 inline float MaxOf(__m512 x) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, x);
+  float m = lanes[0];
+  for (int i = 1; i < 16; ++i) m = lanes[i] > m ? lanes[i] : m;
+  return m;
+}
+ATTN_AVX512 inline float SumOf(__m512 x) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, x);
+  float sum = 0.0f;
+  for (int i = 0; i < 16; ++i) sum += lanes[i];
+  return sum;
+}
+
+// Prepare for a whole block (n <= kBlockRows = 64 scores, four registers),
+// with no calls: the exponentials of a grouped-query step are a fifth of its
+// arithmetic.
+ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_partial) {
+  static_assert(kBlockRows == 64);
+  float& m = row_partial[0];
+  float& l = row_partial[1];
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 lanes[4];
+  __m512 x[4];
+  __m512 block_max = neg_inf;
+  __mmask16 nan = 0;
+  for (int t = 0; t < 4; ++t) {
+    const int64_t count = std::clamp<int64_t>(visible - 16 * t, 0, 16);
+    lanes[t] = static_cast<__mmask16>((uint32_t{1} << count) - 1);
+    x[t] = _mm512_loadu_ps(s + 16 * t);
+    nan |= _mm512_mask_cmp_ps_mask(lanes[t], x[t], x[t], _CMP_UNORD_Q);
+    block_max = _mm512_mask_max_ps(block_max, lanes[t], block_max, x[t]);
+  }
+  const float seen = nan != 0 ? std::numeric_limits<float>::quiet_NaN()
+                              : MaxOf(block_max);
+  const float m_new = std::isnan(seen) || seen > m ? seen : m;
+  if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
+    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + 16 * t, _mm512_setzero_ps());
+    return 1.0f;
+  }
+  const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - m_new);
+  const __m512 shift = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int t = 0; t < 4; ++t) {
+    const __m512 p = _mm512_maskz_mov_ps(lanes[t], Exp16(_mm512_sub_ps(x[t], shift)));
+    sum = _mm512_add_ps(sum, p);
+    _mm512_storeu_ps(s + 16 * t, p);
+  }
+  l = l * correction + SumOf(sum);
+  m = m_new;
+  return correction;
+}
+
+// Chunks [c0, c0 + kPass) (16 elements each) of kRows rows' sums, over value
+// rows of row_elements: the sums stay in registers across the block, and
+// each loaded value chunk serves every row.
+template <bool kBf16, int kRows, int kPass>
+ATTN_AVX512 void Avx512AccumulatePass(const float* p, float* const* acc, const float* correction,
+                                      const void* v, int64_t n, int64_t row_elements, int64_t c0,
+                                      const char* next_v) {
   constexpr int64_t kElement = kBf16 ? 2 : 4;
-  constexpr int64_t kRowBytes = kChunks * 16 * kElement;
-  const char* base = static_cast<const char*>(v);
-  __m512 a[kRows][kChunks];
+  const int64_t row_bytes = row_elements * kElement;
+  const char* base = static_cast<const char*>(v) + c0 * 16 * kElement;
+  __m512 a[kRows][kPass];
   for (int r = 0; r < kRows; ++r) {
-    for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc[r] + 16 * c);
+    const __m512 c = _mm512_set1_ps(correction[r]);
+    for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const char* row = base + j * kRowBytes;
-    __m512 vj[kChunks];
-    for (int c = 0; c < kChunks; ++c) vj[c] = Load16<kBf16>(row + c * 16 * kElement);
+    const char* row = base + j * row_bytes;
+    __m512 vj[kPass];
+    for (int k = 0; k < kPass; ++k) vj[k] = Load16<kBf16>(row + k * 16 * kElement);
     for (int r = 0; r < kRows; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * kBlockRows + j]);
-      for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_fmadd_ps(pj, vj[c], a[r][c]);
+      for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
     }
     if (next_v != nullptr) {
-      for (int64_t off = 0; off < kRowBytes; off += 64) {
-        _mm_prefetch(next_v + j * kRowBytes + off, _MM_HINT_T0);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        _mm_prefetch(next_v + j * row_bytes + off, _MM_HINT_T0);
       }
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
+    for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
   }
 }
 
-// As many rows at once as the registers hold beside one value row.
-template <bool kBf16, int kChunks>
-ATTN_AVX512 void Avx512Accumulate(const float* p, int rows, float* const* acc, const void* v,
-                                  int64_t n, int64_t, const char* next_v) {
-  constexpr int kMost = kChunks <= 4 ? 4 : kChunks <= 8 ? 2 : 1;
-  for (int r = 0; r < rows; r += kMost) {
+// kRows rows, every chunk of the value rows, in passes of as many chunks as
+// the registers hold beside them (kRows x pass sums, pass value chunks).
+template <bool kBf16, int kRows>
+ATTN_AVX512 void Avx512AccumulateRows(const float* p, float* const* acc, const float* correction,
+                                      const void* v, int64_t n, int64_t d, const char* next_v) {
+  constexpr int kMostChunks = kRows == 1 ? 8 : kRows == 2 ? 8 : 4;
+  const int64_t chunks = d / 16;
+  for (int64_t c0 = 0; c0 < chunks; c0 += kMostChunks) {
+    // The next block comes in during the first pass only.
+    const char* prefetch = c0 == 0 ? next_v : nullptr;
+    switch (std::min<int64_t>(kMostChunks, chunks - c0)) {
+#define ATTN_PASS(k)                                                                          \
+  case k:                                                                                     \
+    if constexpr (k <= kMostChunks) {                                                         \
+      Avx512AccumulatePass<kBf16, kRows, k>(p, acc, correction, v, n, d, c0, prefetch);       \
+    }                                                                                         \
+    break;
+      ATTN_PASS(1)
+      ATTN_PASS(2)
+      ATTN_PASS(3)
+      ATTN_PASS(4)
+      ATTN_PASS(5)
+      ATTN_PASS(6)
+      ATTN_PASS(7)
+      ATTN_PASS(8)
+#undef ATTN_PASS
+      default:
+        break;
+    }
+  }
+}
+
+// Value dims that are a multiple of 16; up to four rows at a time.
+template <bool kBf16>
+ATTN_AVX512 void Avx512Accumulate(const float* p, int rows, float* const* acc,
+                                  const float* correction, const void* v, int64_t n, int64_t d,
+                                  const char* next_v) {
+  for (int r = 0; r < rows; r += 4) {
     const char* prefetch = r == 0 ? next_v : nullptr;
     const float* pr = p + r * kBlockRows;
-    switch (std::min(kMost, rows - r)) {
-      case 4: Avx512AccumulateOf<kBf16, kChunks, (kMost >= 4 ? 4 : 1)>(pr, acc + r, v, n, prefetch); break;
-      case 3: Avx512AccumulateOf<kBf16, kChunks, (kMost >= 3 ? 3 : 1)>(pr, acc + r, v, n, prefetch); break;
-      case 2: Avx512AccumulateOf<kBf16, kChunks, (kMost >= 2 ? 2 : 1)>(pr, acc + r, v, n, prefetch); break;
-      default: Avx512AccumulateOf<kBf16, kChunks, 1>(pr, acc + r, v, n, prefetch); break;
+    switch (std::min(4, rows - r)) {
+      case 4: Avx512AccumulateRows<kBf16, 4>(pr, acc + r, correction + r, v, n, d, prefetch); break;
+      case 3: Avx512AccumulateRows<kBf16, 3>(pr, acc + r, correction + r, v, n, d, prefetch); break;
+      case 2: Avx512AccumulateRows<kBf16, 2>(pr, acc + r, correction + r, v, n, d, prefetch); break;
+      default: Avx512AccumulateRows<kBf16, 1>(pr, acc + r, correction + r, v, n, d, prefetch); break;
     }
   }
 }
@@ -219,31 +342,21 @@ ATTN_AVX512 void Avx512Accumulate(const float* p, int rows, float* const* acc, c
 // otherwise.
 struct BlockKernels {
   ScoresFn scores;
+  PrepareFn prepare;
   AccumulateFn accumulate;
 };
 
 BlockKernels KernelsFor(int64_t value_dim, bool bf16) {
-  BlockKernels k{bf16 ? &GenericScores<true> : &GenericScores<false>,
+  BlockKernels k{bf16 ? &GenericScores<true> : &GenericScores<false>, &Prepare,
                  bf16 ? &GenericAccumulate<true> : &GenericAccumulate<false>};
 #ifdef ATTN_DECODE_AVX512
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   if (!avx512) return k;
   k.scores = bf16 ? &Avx512Scores<true> : &Avx512Scores<false>;
-  switch (value_dim) {
-#define ATTN_CASE(chunks)                                                               \
-  case 16 * (chunks):                                                                   \
-    k.accumulate = bf16 ? &Avx512Accumulate<true, chunks> : &Avx512Accumulate<false, chunks>; \
-    break;
-    ATTN_CASE(2)
-    ATTN_CASE(4)
-    ATTN_CASE(5)
-    ATTN_CASE(6)
-    ATTN_CASE(8)
-    ATTN_CASE(16)
-#undef ATTN_CASE
-    default:
-      break;
-  }
+  k.prepare = &Avx512Prepare;
+  if (value_dim % 16 == 0) k.accumulate = bf16 ? &Avx512Accumulate<true> : &Avx512Accumulate<false>;
+#else
+  (void)value_dim;
 #endif
   return k;
 }
@@ -256,6 +369,7 @@ void RunUnit(const Unit& u) {
   const bool bf16 = cache.dtype() == DType::kBFloat16;
   // Scores of every query row against one block.
   alignas(64) float scores[kMaxDecodeRows * kBlockRows];
+  float correction[kMaxDecodeRows];
   for (int64_t r = 0; r < rows; ++r) {
     float* p = u.partial + r * (dv + 2);
     p[0] = -std::numeric_limits<float>::infinity();
@@ -291,9 +405,9 @@ void RunUnit(const Unit& u) {
       const int64_t i = r % it.query_len;
       int64_t visible = n;
       if (it.causal) visible = std::min(n, i + it.keys - it.query_len - first + 1);
-      Prepare(scores + r * kBlockRows, visible, n, dv, u.partial + r * (dv + 2));
+      correction[r] = kernels.prepare(scores + r * kBlockRows, visible, n, u.partial + r * (dv + 2));
     }
-    kernels.accumulate(scores, static_cast<int>(rows), acc, vb, n, dv, next_v);
+    kernels.accumulate(scores, static_cast<int>(rows), acc, correction, vb, n, dv, next_v);
   }
   if (!u.with_tail) return;
   for (int64_t r = 0; r < rows; ++r) {
@@ -302,7 +416,8 @@ void RunUnit(const Unit& u) {
       for (int64_t e = 0; e < dk; ++e) dot += q[r][e] * it.tail_k[t][e];
       scores[t] = dot * it.scale;
     }
-    Prepare(scores, it.tail, it.tail, dv, u.partial + r * (dv + 2));
+    const float c = Prepare(scores, it.tail, it.tail, u.partial + r * (dv + 2));
+    if (c != 1.0f) Scale(acc[r], dv, c);
     for (int t = 0; t < it.tail; ++t) AccumulateRows(scores + t, it.tail_v[t], 1, dv, acc[r]);
   }
 }
