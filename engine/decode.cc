@@ -6,9 +6,11 @@
 #include <immintrin.h>
 #define ATTN_DECODE_AVX512 1
 #define ATTN_AVX512 __attribute__((target("avx512f")))
+#define ATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -60,34 +62,44 @@ float Prepare(float* s, int64_t visible, int64_t n, float* row_partial) {
   return correction;
 }
 
+// How a step multiplies: float32 math over a FLOAT32 or a BFLOAT16 cache
+// (its elements widened exactly), or, for precision FAST over a BFLOAT16
+// cache on CPUs with avx512_bf16, bf16 dot products (vdpbf16ps: the query
+// and the softmax weights rounded to bfloat16, float32 sums), which do two
+// multiply-adds per lane and instruction.
+enum class Math { kFloat32, kBFloat16, kBFloat16Dot };
+
 // Up to kScoreRows query rows' scores against one block's keys at a time:
 // each key element loaded once for all of them.
 constexpr int kScoreRows = 4;
 
 // s[r * kBlockRows + j] = scale * q_r . k_j for the `rows` rows q[r] and
-// the block's keys kt (transposed, engine/kv_cache.h); n of them are rows
-// of the sequence. next_k (may be null): the next block's keys, `next_bytes`
-// of them, prefetched meanwhile so that the thread keeps memory busy.
-using ScoresFn = void (*)(const float* const* q, int rows, const void* kt, int64_t n, int64_t d,
+// the block's keys kt (engine/kv_cache.h's layout); n of them are rows of
+// the sequence. q[r] is key_dim floats, or for kBFloat16Dot key_dim rounded
+// up to even bfloat16 (the pad 0). next_k (may be null): the next block's
+// keys, prefetched meanwhile so that the thread keeps memory busy.
+using ScoresFn = void (*)(const void* const* q, int rows, const void* kt, int64_t n, int64_t d,
                           float scale, float* s, const char* next_k);
 // Prepare for the kBlockRows scores of one row at s (n of them keys).
 using PrepareFn = float (*)(float* s, int64_t visible, int64_t n, float* row_partial);
 // acc[r] = acc[r] * correction[r] + sum_{j < n} p[r * kBlockRows + j] v_j
-// for `rows` rows, over value rows v (row-major, dim d): each value row read
-// once for all of them; next_v as next_k.
+// for `rows` rows, over the block's value rows v (dim d): each value row read
+// once for all of them; next_v as next_k. p[r * kBlockRows + j] is 0 for
+// j >= n.
 using AccumulateFn = void (*)(const float* p, int rows, float* const* acc,
                               const float* correction, const void* v, int64_t n, int64_t d,
                               const char* next_v);
 
 template <bool kBf16>
-void GenericScores(const float* const* q, int rows, const void* kt, int64_t n, int64_t d,
+void GenericScores(const void* const* q, int rows, const void* kt, int64_t n, int64_t d,
                    float scale, float* s, const char*) {
   for (int r = 0; r < rows; ++r) {
+    const float* qr = static_cast<const float*>(q[r]);
     if (kBf16) {
-      DotTransposedBFloat16(q[r], static_cast<const uint16_t*>(kt), kBlockRows, n, d, scale,
-                            s + r * kBlockRows);
+      DotPairedBFloat16(qr, static_cast<const uint16_t*>(kt), kBlockRows, n, d, scale,
+                        s + r * kBlockRows);
     } else {
-      DotTransposed(q[r], static_cast<const float*>(kt), kBlockRows, n, d, scale,
+      DotTransposed(qr, static_cast<const float*>(kt), kBlockRows, n, d, scale,
                     s + r * kBlockRows);
     }
   }
@@ -99,7 +111,8 @@ void GenericAccumulate(const float* p, int rows, float* const* acc, const float*
   for (int r = 0; r < rows; ++r) {
     if (correction[r] != 1.0f) Scale(acc[r], d, correction[r]);
     if (kBf16) {
-      AccumulateRowsBFloat16(p + r * kBlockRows, static_cast<const uint16_t*>(v), n, d, acc[r]);
+      AccumulatePairedRowsBFloat16(p + r * kBlockRows, static_cast<const uint16_t*>(v), n, d,
+                                   acc[r]);
     } else {
       AccumulateRows(p + r * kBlockRows, static_cast<const float*>(v), n, d, acc[r]);
     }
@@ -108,35 +121,34 @@ void GenericAccumulate(const float* p, int rows, float* const* acc, const float*
 
 #ifdef ATTN_DECODE_AVX512
 
-// 16 elements at `p` (float32 or bfloat16) as float32.
-template <bool kBf16>
-ATTN_AVX512 inline __m512 Load16(const void* p) {
-  if constexpr (kBf16) {
-    const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
-    // The maskz forms: GCC 12 warns on the plain ones' undefined operand.
-    return _mm512_castsi512_ps(
-        _mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, h), 16));
-  } else {
-    return _mm512_loadu_ps(static_cast<const float*>(p));
-  }
+// A BFLOAT16 cache's 32-bit words of two bfloat16 each, 16 words: the first
+// elements as float32 (a shift), and the second (a mask).
+ATTN_AVX512 inline __m512 FirstOfPairs(__m512i x) {
+  // The maskz forms: GCC 12 warns on the plain ones' undefined operand.
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, x, 16));
+}
+ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-template <int kRows, bool kBf16>
-ATTN_AVX512 void Avx512ScoresOf(const float* const* q, const void* kt, int64_t d, float scale,
-                                float* s, const char* next_k) {
-  constexpr int64_t kElement = kBf16 ? 2 : 4;
-  constexpr int64_t kRowBytes = kBlockRows * kElement;  // one key element, every key
+// Scores of kRows rows against the block's 64 keys, in four registers of 16
+// keys each. Whole blocks are computed (the rows past n are zeros); n only
+// bounds what the caller reads.
+template <int kRows>
+ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64_t d, float scale,
+                                     float* s, const char* next_k) {
+  constexpr int64_t kRowBytes = kBlockRows * 4;  // one key element, every key
   const char* base = static_cast<const char*>(kt);
   __m512 acc[kRows][4];
   for (int r = 0; r < kRows; ++r) {
     for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
   }
   for (int64_t e = 0; e < d; ++e) {
-    const char* row = base + e * kRowBytes;
-    const __m512 k0 = Load16<kBf16>(row), k1 = Load16<kBf16>(row + 16 * kElement),
-                 k2 = Load16<kBf16>(row + 32 * kElement), k3 = Load16<kBf16>(row + 48 * kElement);
+    const float* row = reinterpret_cast<const float*>(base + e * kRowBytes);
+    const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16),
+                 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 qe = _mm512_set1_ps(q[r][e]);
+      const __m512 qe = _mm512_set1_ps(static_cast<const float*>(q[r])[e]);
       acc[r][0] = _mm512_fmadd_ps(k0, qe, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(k1, qe, acc[r][1]);
       acc[r][2] = _mm512_fmadd_ps(k2, qe, acc[r][2]);
@@ -156,16 +168,102 @@ ATTN_AVX512 void Avx512ScoresOf(const float* const* q, const void* kt, int64_t d
   }
 }
 
-// Whole blocks are computed (the rows past n are zeros); n only bounds
-// what the caller reads.
-template <bool kBf16>
-ATTN_AVX512 void Avx512Scores(const float* const* q, int rows, const void* kt, int64_t, int64_t d,
-                              float scale, float* s, const char* next_k) {
+// The same over a BFLOAT16 cache, float32 math: each pair of key elements
+// (e, e + 1) of 16 keys is one register, widened by a shift and a mask.
+template <int kRows>
+ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int64_t d, float scale,
+                                      float* s, const char* next_k) {
+  constexpr int64_t kPairBytes = kBlockRows * 4;  // two key elements, every key
+  const char* base = static_cast<const char*>(kt);
+  __m512 acc[kRows][4];
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = (d + 1) / 2;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const char* row = base + i * kPairBytes;
+    const bool second = 2 * i + 1 < d;  // the last pair of an odd d has one element
+    for (int t = 0; t < 4; ++t) {
+      const __m512i x = _mm512_loadu_si512(row + 64 * t);
+      const __m512 first_k = FirstOfPairs(x), second_k = SecondOfPairs(x);
+      for (int r = 0; r < kRows; ++r) {
+        const float* qr = static_cast<const float*>(q[r]);
+        acc[r][t] = _mm512_fmadd_ps(first_k, _mm512_set1_ps(qr[2 * i]), acc[r][t]);
+        if (second) acc[r][t] = _mm512_fmadd_ps(second_k, _mm512_set1_ps(qr[2 * i + 1]), acc[r][t]);
+      }
+    }
+    if (next_k != nullptr) {
+      for (int64_t off = 0; off < kPairBytes; off += 64) {
+        _mm_prefetch(next_k + i * kPairBytes + off, _MM_HINT_T0);
+      }
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < 4; ++t) {
+      _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
+    }
+  }
+}
+
+// The same with bf16 dot products: q[r] is bfloat16 pairs, one 32-bit word
+// per pair of key elements, multiplied with the cache's pairs as they are.
+template <int kRows>
+ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* kt, int64_t d,
+                                              float scale, float* s, const char* next_k) {
+  constexpr int64_t kPairBytes = kBlockRows * 4;
+  const char* base = static_cast<const char*>(kt);
+  __m512 acc[kRows][4];
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = (d + 1) / 2;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const char* row = base + i * kPairBytes;
+    const __m512i k0 = _mm512_loadu_si512(row), k1 = _mm512_loadu_si512(row + 64),
+                  k2 = _mm512_loadu_si512(row + 128), k3 = _mm512_loadu_si512(row + 192);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh qi = reinterpret_cast<__m512bh>(
+          _mm512_set1_epi32(static_cast<const int32_t*>(q[r])[i]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(k0), qi);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(k1), qi);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], reinterpret_cast<__m512bh>(k2), qi);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], reinterpret_cast<__m512bh>(k3), qi);
+    }
+    if (next_k != nullptr) {
+      for (int64_t off = 0; off < kPairBytes; off += 64) {
+        _mm_prefetch(next_k + i * kPairBytes + off, _MM_HINT_T0);
+      }
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < 4; ++t) {
+      _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
+    }
+  }
+}
+
+template <Math kMath, int kRows>
+void Avx512ScoresOf(const void* const* q, const void* kt, int64_t d, float scale, float* s,
+                    const char* next_k) {
+  if constexpr (kMath == Math::kFloat32) {
+    Avx512ScoresFloat32<kRows>(q, kt, d, scale, s, next_k);
+  } else if constexpr (kMath == Math::kBFloat16) {
+    Avx512ScoresBFloat16<kRows>(q, kt, d, scale, s, next_k);
+  } else {
+    Avx512ScoresBFloat16Dot<kRows>(q, kt, d, scale, s, next_k);
+  }
+}
+
+template <Math kMath>
+void Avx512Scores(const void* const* q, int rows, const void* kt, int64_t, int64_t d, float scale,
+                  float* s, const char* next_k) {
   switch (rows) {
-    case 1: return Avx512ScoresOf<1, kBf16>(q, kt, d, scale, s, next_k);
-    case 2: return Avx512ScoresOf<2, kBf16>(q, kt, d, scale, s, next_k);
-    case 3: return Avx512ScoresOf<3, kBf16>(q, kt, d, scale, s, next_k);
-    default: return Avx512ScoresOf<4, kBf16>(q, kt, d, scale, s, next_k);
+    case 1: return Avx512ScoresOf<kMath, 1>(q, kt, d, scale, s, next_k);
+    case 2: return Avx512ScoresOf<kMath, 2>(q, kt, d, scale, s, next_k);
+    case 3: return Avx512ScoresOf<kMath, 3>(q, kt, d, scale, s, next_k);
+    default: return Avx512ScoresOf<kMath, 4>(q, kt, d, scale, s, next_k);
   }
 }
 
@@ -252,16 +350,18 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
   return correction;
 }
 
-// Chunks [c0, c0 + kPass) (16 elements each) of kRows rows' sums, over value
-// rows of row_elements: the sums stay in registers across the block, and
-// each loaded value chunk serves every row.
-template <bool kBf16, int kRows, int kPass>
-ATTN_AVX512 void Avx512AccumulatePass(const float* p, float* const* acc, const float* correction,
-                                      const void* v, int64_t n, int64_t row_elements, int64_t c0,
-                                      const char* next_v) {
-  constexpr int64_t kElement = kBf16 ? 2 : 4;
-  const int64_t row_bytes = row_elements * kElement;
-  const char* base = static_cast<const char*>(v) + c0 * 16 * kElement;
+// Chunks [c0, c0 + kPass) (16 elements each) of kRows rows' sums, over the
+// value rows (d elements): the sums stay in registers across the block, and
+// each loaded value chunk serves every row. FLOAT32 cache: row j's chunk is
+// 64 bytes at (j * d + 16 c) * 4; BFLOAT16: rows 2i and 2i + 1 share their
+// chunks, 64 bytes at (2 i * d + 32 c) * 2, the first row's elements widened
+// by a shift, the second's by a mask.
+template <int kRows, int kPass>
+ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
+                                         const float* correction, const void* v, int64_t n,
+                                         int64_t d, int64_t c0, const char* next_v) {
+  const int64_t row_bytes = d * 4;
+  const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
   for (int r = 0; r < kRows; ++r) {
     const __m512 c = _mm512_set1_ps(correction[r]);
@@ -270,7 +370,7 @@ ATTN_AVX512 void Avx512AccumulatePass(const float* p, float* const* acc, const f
   for (int64_t j = 0; j < n; ++j) {
     const char* row = base + j * row_bytes;
     __m512 vj[kPass];
-    for (int k = 0; k < kPass; ++k) vj[k] = Load16<kBf16>(row + k * 16 * kElement);
+    for (int k = 0; k < kPass; ++k) vj[k] = _mm512_loadu_ps(reinterpret_cast<const float*>(row + 64 * k));
     for (int r = 0; r < kRows; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * kBlockRows + j]);
       for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
@@ -286,22 +386,112 @@ ATTN_AVX512 void Avx512AccumulatePass(const float* p, float* const* acc, const f
   }
 }
 
+template <int kRows, int kPass>
+ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
+                                          const float* correction, const void* v, int64_t n,
+                                          int64_t d, int64_t c0, const char* next_v) {
+  const int64_t pair_bytes = d * 4;  // two rows
+  const char* base = static_cast<const char*>(v) + c0 * 64;
+  __m512 a[kRows][kPass];
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 c = _mm512_set1_ps(correction[r]);
+    for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
+  }
+  for (int64_t j = 0; j < n; j += 2) {
+    const char* pair = base + (j / 2) * pair_bytes;
+    const bool second = j + 1 < n;
+    for (int k = 0; k < kPass; ++k) {
+      const __m512i x = _mm512_loadu_si512(pair + 64 * k);
+      const __m512 first_v = FirstOfPairs(x), second_v = SecondOfPairs(x);
+      for (int r = 0; r < kRows; ++r) {
+        a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows + j]), first_v, a[r][k]);
+        if (second) {
+          a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows + j + 1]), second_v, a[r][k]);
+        }
+      }
+    }
+    if (next_v != nullptr) {
+      for (int64_t off = 0; off < pair_bytes; off += 64) {
+        _mm_prefetch(next_v + (j / 2) * pair_bytes + off, _MM_HINT_T0);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
+  }
+}
+
+// The BFLOAT16 form with bf16 dot products: each row's weights rounded to
+// bfloat16 pairs (p_2i, p_2i+1), one 32-bit word against the pair of value
+// rows. The pair past an odd n is a zero weight and a zero row.
+template <int kRows, int kPass>
+ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* acc,
+                                                  const float* correction, const void* v,
+                                                  int64_t n, int64_t d, int64_t c0,
+                                                  const char* next_v) {
+  const int64_t pair_bytes = d * 4;
+  const char* base = static_cast<const char*>(v) + c0 * 64;
+  alignas(64) int32_t weights[kRows][kBlockRows / 2];
+  __m512 a[kRows][kPass];
+  for (int r = 0; r < kRows; ++r) {
+    const float* pr = p + r * kBlockRows;
+    for (int t = 0; t < kBlockRows / 32; ++t) {
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 32 * t + 16), _mm512_loadu_ps(pr + 32 * t));
+      _mm512_store_si512(weights[r] + 16 * t, reinterpret_cast<__m512i>(w));
+    }
+    const __m512 c = _mm512_set1_ps(correction[r]);
+    for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
+  }
+  for (int64_t i = 0; 2 * i < n; ++i) {
+    const char* pair = base + i * pair_bytes;
+    __m512i vi[kPass];
+    for (int k = 0; k < kPass; ++k) vi[k] = _mm512_loadu_si512(pair + 64 * k);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(weights[r][i]));
+      for (int k = 0; k < kPass; ++k) {
+        a[r][k] = _mm512_dpbf16_ps(a[r][k], reinterpret_cast<__m512bh>(vi[k]), w);
+      }
+    }
+    if (next_v != nullptr) {
+      for (int64_t off = 0; off < pair_bytes; off += 64) {
+        _mm_prefetch(next_v + i * pair_bytes + off, _MM_HINT_T0);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
+  }
+}
+
+template <Math kMath, int kRows, int kPass>
+void Avx512AccumulatePass(const float* p, float* const* acc, const float* correction,
+                          const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v) {
+  if constexpr (kMath == Math::kFloat32) {
+    Avx512AccumulateFloat32<kRows, kPass>(p, acc, correction, v, n, d, c0, next_v);
+  } else if constexpr (kMath == Math::kBFloat16) {
+    Avx512AccumulateBFloat16<kRows, kPass>(p, acc, correction, v, n, d, c0, next_v);
+  } else {
+    Avx512AccumulateBFloat16Dot<kRows, kPass>(p, acc, correction, v, n, d, c0, next_v);
+  }
+}
+
 // kRows rows, every chunk of the value rows, in passes of as many chunks as
-// the registers hold beside them (kRows x pass sums, pass value chunks).
-template <bool kBf16, int kRows>
-ATTN_AVX512 void Avx512AccumulateRows(const float* p, float* const* acc, const float* correction,
-                                      const void* v, int64_t n, int64_t d, const char* next_v) {
-  constexpr int kMostChunks = kRows == 1 ? 8 : kRows == 2 ? 8 : 4;
+// the registers hold beside them (kRows x pass sums, the pass's value
+// chunks: two registers each when widened from bfloat16 pairs).
+template <Math kMath, int kRows>
+void Avx512AccumulateRows(const float* p, float* const* acc, const float* correction,
+                          const void* v, int64_t n, int64_t d, const char* next_v) {
+  constexpr int kMostChunks = kRows == 1 ? 8 : (kRows == 2 && kMath != Math::kBFloat16) ? 8 : 4;
   const int64_t chunks = d / 16;
   for (int64_t c0 = 0; c0 < chunks; c0 += kMostChunks) {
     // The next block comes in during the first pass only.
     const char* prefetch = c0 == 0 ? next_v : nullptr;
     switch (std::min<int64_t>(kMostChunks, chunks - c0)) {
-#define ATTN_PASS(k)                                                                          \
-  case k:                                                                                     \
-    if constexpr (k <= kMostChunks) {                                                         \
-      Avx512AccumulatePass<kBf16, kRows, k>(p, acc, correction, v, n, d, c0, prefetch);       \
-    }                                                                                         \
+#define ATTN_PASS(k)                                                                    \
+  case k:                                                                               \
+    if constexpr (k <= kMostChunks) {                                                   \
+      Avx512AccumulatePass<kMath, kRows, k>(p, acc, correction, v, n, d, c0, prefetch); \
+    }                                                                                   \
     break;
       ATTN_PASS(1)
       ATTN_PASS(2)
@@ -319,42 +509,63 @@ ATTN_AVX512 void Avx512AccumulateRows(const float* p, float* const* acc, const f
 }
 
 // Value dims that are a multiple of 16; up to four rows at a time.
-template <bool kBf16>
-ATTN_AVX512 void Avx512Accumulate(const float* p, int rows, float* const* acc,
-                                  const float* correction, const void* v, int64_t n, int64_t d,
-                                  const char* next_v) {
+template <Math kMath>
+void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* correction,
+                      const void* v, int64_t n, int64_t d, const char* next_v) {
   for (int r = 0; r < rows; r += 4) {
     const char* prefetch = r == 0 ? next_v : nullptr;
     const float* pr = p + r * kBlockRows;
     switch (std::min(4, rows - r)) {
-      case 4: Avx512AccumulateRows<kBf16, 4>(pr, acc + r, correction + r, v, n, d, prefetch); break;
-      case 3: Avx512AccumulateRows<kBf16, 3>(pr, acc + r, correction + r, v, n, d, prefetch); break;
-      case 2: Avx512AccumulateRows<kBf16, 2>(pr, acc + r, correction + r, v, n, d, prefetch); break;
-      default: Avx512AccumulateRows<kBf16, 1>(pr, acc + r, correction + r, v, n, d, prefetch); break;
+      case 4: Avx512AccumulateRows<kMath, 4>(pr, acc + r, correction + r, v, n, d, prefetch); break;
+      case 3: Avx512AccumulateRows<kMath, 3>(pr, acc + r, correction + r, v, n, d, prefetch); break;
+      case 2: Avx512AccumulateRows<kMath, 2>(pr, acc + r, correction + r, v, n, d, prefetch); break;
+      default: Avx512AccumulateRows<kMath, 1>(pr, acc + r, correction + r, v, n, d, prefetch); break;
     }
   }
 }
 
 #endif  // ATTN_DECODE_AVX512
 
-// The kernels for `dtype` rows of key_dim / value_dim elements: AVX-512 on
-// CPUs that have it (values: for the common head dims), portable loops
-// otherwise.
+// The kernels for a cache of `value_dim` value elements: AVX-512 on CPUs
+// that have it (values: dims that are a multiple of 16), portable loops
+// otherwise. `math` is what the step asked for; `scores_math` is set to what
+// the scores kernel does (bf16 dot products need avx512_bf16).
 struct BlockKernels {
   ScoresFn scores;
   PrepareFn prepare;
   AccumulateFn accumulate;
+  Math scores_math;
 };
 
-BlockKernels KernelsFor(int64_t value_dim, bool bf16) {
+std::atomic<bool> portable_kernels_for_testing{false};
+
+BlockKernels KernelsFor(int64_t value_dim, Math math) {
+  const bool bf16 = math != Math::kFloat32;
   BlockKernels k{bf16 ? &GenericScores<true> : &GenericScores<false>, &Prepare,
-                 bf16 ? &GenericAccumulate<true> : &GenericAccumulate<false>};
+                 bf16 ? &GenericAccumulate<true> : &GenericAccumulate<false>,
+                 bf16 ? Math::kBFloat16 : Math::kFloat32};
 #ifdef ATTN_DECODE_AVX512
   static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (!avx512) return k;
-  k.scores = bf16 ? &Avx512Scores<true> : &Avx512Scores<false>;
+  static const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  if (!avx512 || portable_kernels_for_testing.load(std::memory_order_relaxed)) return k;
+  if (math == Math::kBFloat16Dot && !avx512_bf16) math = Math::kBFloat16;
   k.prepare = &Avx512Prepare;
-  if (value_dim % 16 == 0) k.accumulate = bf16 ? &Avx512Accumulate<true> : &Avx512Accumulate<false>;
+  k.scores_math = math;
+  const bool vector_values = value_dim % 16 == 0;
+  switch (math) {
+    case Math::kFloat32:
+      k.scores = &Avx512Scores<Math::kFloat32>;
+      if (vector_values) k.accumulate = &Avx512Accumulate<Math::kFloat32>;
+      break;
+    case Math::kBFloat16:
+      k.scores = &Avx512Scores<Math::kBFloat16>;
+      if (vector_values) k.accumulate = &Avx512Accumulate<Math::kBFloat16>;
+      break;
+    case Math::kBFloat16Dot:
+      k.scores = &Avx512Scores<Math::kBFloat16Dot>;
+      if (vector_values) k.accumulate = &Avx512Accumulate<Math::kBFloat16Dot>;
+      break;
+  }
 #else
   (void)value_dim;
 #endif
@@ -366,7 +577,9 @@ void RunUnit(const Unit& u) {
   const KvCache& cache = *it.cache;
   const int64_t dk = cache.key_dim(), dv = cache.value_dim();
   const int64_t rows = it.group * it.query_len;
-  const bool bf16 = cache.dtype() == DType::kBFloat16;
+  const Math math = cache.dtype() == DType::kFloat32 ? Math::kFloat32
+                    : it.fast                          ? Math::kBFloat16Dot
+                                                       : Math::kBFloat16;
   // Scores of every query row against one block.
   alignas(64) float scores[kMaxDecodeRows * kBlockRows];
   float correction[kMaxDecodeRows];
@@ -376,11 +589,22 @@ void RunUnit(const Unit& u) {
     p[1] = 0.0f;
     std::memset(p + 2, 0, static_cast<size_t>(dv) * sizeof(float));
   }
-  const BlockKernels kernels = KernelsFor(dv, bf16);
-  const float* q[kMaxDecodeRows];
+  const BlockKernels kernels = KernelsFor(dv, math);
+  const float* qf[kMaxDecodeRows];
+  const void* q[kMaxDecodeRows];
   float* acc[kMaxDecodeRows];
+  // bf16 dot products take the query rows as bfloat16 pairs.
+  thread_local std::vector<uint16_t> q_bf16;
+  const int64_t dk_even = (dk + 1) / 2 * 2;
+  if (kernels.scores_math == Math::kBFloat16Dot) q_bf16.assign(static_cast<size_t>(rows * dk_even), 0);
   for (int64_t r = 0; r < rows; ++r) {
-    q[r] = it.q + (r / it.query_len) * it.q_head_stride + (r % it.query_len) * it.q_pos_stride;
+    qf[r] = it.q + (r / it.query_len) * it.q_head_stride + (r % it.query_len) * it.q_pos_stride;
+    q[r] = qf[r];
+    if (kernels.scores_math == Math::kBFloat16Dot) {
+      uint16_t* qb = q_bf16.data() + r * dk_even;
+      ToBFloat16(qf[r], qb, dk);
+      q[r] = qb;
+    }
     acc[r] = u.partial + r * (dv + 2) + 2;
   }
   // Keys: scores of up to kScoreRows query rows at a time, so a block's keys
@@ -413,7 +637,7 @@ void RunUnit(const Unit& u) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int t = 0; t < it.tail; ++t) {
       float dot = 0.0f;
-      for (int64_t e = 0; e < dk; ++e) dot += q[r][e] * it.tail_k[t][e];
+      for (int64_t e = 0; e < dk; ++e) dot += qf[r][e] * it.tail_k[t][e];
       scores[t] = dot * it.scale;
     }
     const float c = Prepare(scores, it.tail, it.tail, u.partial + r * (dv + 2));
@@ -515,6 +739,10 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
       Merge(items[k], units[first_unit[k]].partial, first_unit[k + 1] - first_unit[k]);
     }
   }
+}
+
+void UsePortableDecodeKernelsForTesting(bool portable) {
+  portable_kernels_for_testing.store(portable, std::memory_order_relaxed);
 }
 
 }  // namespace attention::internal

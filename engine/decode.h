@@ -37,6 +37,10 @@ struct DecodeItem {
   float scale = 1.0f;
   // BOTTOM_RIGHT: query row i sees cached keys j <= i + keys - query_len.
   bool causal = false;
+  // Precision FAST: over a BFLOAT16 cache, on CPUs with avx512_bf16, bf16
+  // dot products (the query and the softmax weights rounded to bfloat16,
+  // float32 sums); float32 math otherwise.
+  bool fast = false;
 };
 
 // Most query rows (group x query_len) of one item.
@@ -45,6 +49,9 @@ inline constexpr int64_t kMaxDecodeRows = 64;
 // Computes every item's output on up to `threads` OpenMP threads. A row
 // that sees no key gets a zero output, as the other paths give.
 void RunDecode(absl::Span<const DecodeItem> items, int threads);
+
+// Tests: true makes RunDecode use its portable loops on every CPU.
+void UsePortableDecodeKernelsForTesting(bool portable);
 
 }  // namespace attention::internal
 

@@ -241,14 +241,16 @@ ATTN_CLONES void DotTransposed(const float* q, const float* kt, int64_t ld, int6
   for (int64_t j = 0; j < n; ++j) s[j] *= scale;
 }
 
-ATTN_CLONES void DotTransposedBFloat16(const float* q, const uint16_t* kt, int64_t ld, int64_t n,
-                                       int64_t d, float scale, float* s) {
+ATTN_CLONES void DotPairedBFloat16(const float* q, const uint16_t* kt, int64_t ld, int64_t n,
+                                   int64_t d, float scale, float* s) {
   for (int64_t j = 0; j < n; ++j) s[j] = 0.0f;
   for (int64_t e = 0; e < d; ++e) {
     const float qe = q[e];
-    const uint16_t* row = kt + e * ld;
+    const uint16_t* pairs = kt + (e / 2) * 2 * ld + e % 2;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) s[j] += qe * BitsToFloat(static_cast<uint32_t>(row[j]) << 16);
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] += qe * BitsToFloat(static_cast<uint32_t>(pairs[2 * j]) << 16);
+    }
   }
   for (int64_t j = 0; j < n; ++j) s[j] *= scale;
 }
@@ -262,13 +264,13 @@ ATTN_CLONES void AccumulateRows(const float* p, const float* v, int64_t n, int64
   }
 }
 
-ATTN_CLONES void AccumulateRowsBFloat16(const float* p, const uint16_t* v, int64_t n, int64_t d,
-                                        float* acc) {
+ATTN_CLONES void AccumulatePairedRowsBFloat16(const float* p, const uint16_t* v, int64_t n,
+                                              int64_t d, float* acc) {
   for (int64_t j = 0; j < n; ++j) {
     const float pj = p[j];
-    const uint16_t* vj = v + j * d;
+    const uint16_t* vj = v + (j / 2) * 2 * d + j % 2;
 #pragma omp simd
-    for (int64_t e = 0; e < d; ++e) acc[e] += pj * BitsToFloat(static_cast<uint32_t>(vj[e]) << 16);
+    for (int64_t e = 0; e < d; ++e) acc[e] += pj * BitsToFloat(static_cast<uint32_t>(vj[2 * e]) << 16);
   }
 }
 

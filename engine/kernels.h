@@ -52,15 +52,20 @@ void FromBFloat16(const uint16_t* x, float* y, int64_t n);
 float Dot(const float* a, const float* b, int64_t n);
 float SquaredDistance(const float* a, const float* b, int64_t n);
 // s[j] = scale * sum_e q[e] * kt[e * ld + j] for j < n, e < d: one query row
-// against n keys of a session cache stored transposed (engine/kv_cache.h),
-// as float32 or bfloat16.
+// against n keys of a FLOAT32 session cache, stored transposed
+// (engine/kv_cache.h).
 void DotTransposed(const float* q, const float* kt, int64_t ld, int64_t n, int64_t d, float scale,
                    float* s);
-void DotTransposedBFloat16(const float* q, const uint16_t* kt, int64_t ld, int64_t n, int64_t d,
-                           float scale, float* s);
+// The same over a BFLOAT16 cache's pairs of elements: key j's element e at
+// kt[(e / 2) * 2 * ld + 2 * j + e % 2].
+void DotPairedBFloat16(const float* q, const uint16_t* kt, int64_t ld, int64_t n, int64_t d,
+                       float scale, float* s);
 // acc[e] += sum_j p[j] * v[j * d + e] for e < d: softmax-weighted value rows.
 void AccumulateRows(const float* p, const float* v, int64_t n, int64_t d, float* acc);
-void AccumulateRowsBFloat16(const float* p, const uint16_t* v, int64_t n, int64_t d, float* acc);
+// The same over a BFLOAT16 cache's pairs of rows: row j's element e at
+// v[(j / 2) * 2 * d + 2 * e + j % 2].
+void AccumulatePairedRowsBFloat16(const float* p, const uint16_t* v, int64_t n, int64_t d,
+                                  float* acc);
 // sum_u w[u] * tanh(a[u] + b[u])   (additive score)
 float TanhDot(const float* w, const float* a, const float* b, int64_t n);
 

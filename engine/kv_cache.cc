@@ -1,5 +1,6 @@
 #include "engine/kv_cache.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -61,39 +62,12 @@ const void* KvCache::KeyBlock(int64_t block, int64_t head) const {
 
 const void* KvCache::ValueBlock(int64_t block, int64_t head) const {
   return static_cast<const char*>(KeyBlock(block, head)) +
-         kBlockRows * key_dim_ * static_cast<int64_t>(ElementSize());
+         kBlockRows * StoredKeyDim() * static_cast<int64_t>(ElementSize());
 }
-
-namespace {
-
-// Stores n elements at dst, `stride` elements apart (keys are stored
-// transposed, values row-major), and loads them back.
-void Store(const float* src, int64_t n, DType dtype, void* dst, int64_t stride) {
-  if (dtype == DType::kFloat32) {
-    float* out = static_cast<float*>(dst);
-    for (int64_t i = 0; i < n; ++i) out[i * stride] = src[i];
-    return;
-  }
-  uint16_t* out = static_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i * stride] = FloatToBFloat16(src[i]);
-}
-
-void Load(const void* src, int64_t n, DType dtype, int64_t stride, float* dst) {
-  if (dtype == DType::kFloat32) {
-    const float* in = static_cast<const float*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = in[i * stride];
-    return;
-  }
-  const uint16_t* in = static_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(in[i * stride]);
-}
-
-}  // namespace
 
 absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
                              int64_t k_head_stride, const float* v, int64_t v_row_stride,
                              int64_t v_head_stride) {
-  const size_t es = ElementSize();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = length_ + pending_;
     const int64_t block = row / kBlockRows;
@@ -109,14 +83,24 @@ absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
       std::memset(p, 0, size);
       blocks_.emplace_back(p);
     }
-    const int64_t in_block = row % kBlockRows;
+    const int64_t j = row % kBlockRows;
     for (int64_t h = 0; h < kv_heads_; ++h) {
-      char* key = static_cast<char*>(const_cast<void*>(KeyBlock(block, h)));
-      char* value = static_cast<char*>(const_cast<void*>(ValueBlock(block, h)));
-      Store(k + r * k_row_stride + h * k_head_stride, key_dim_, dtype_,
-            key + in_block * static_cast<int64_t>(es), kBlockRows);
-      Store(v + r * v_row_stride + h * v_head_stride, value_dim_, dtype_,
-            value + in_block * value_dim_ * static_cast<int64_t>(es), 1);
+      const float* key = k + r * k_row_stride + h * k_head_stride;
+      const float* value = v + r * v_row_stride + h * v_head_stride;
+      if (dtype_ == DType::kFloat32) {
+        float* kb = static_cast<float*>(const_cast<void*>(KeyBlock(block, h))) + j;
+        float* vb = static_cast<float*>(const_cast<void*>(ValueBlock(block, h))) + j * value_dim_;
+        for (int64_t e = 0; e < key_dim_; ++e) kb[e * kBlockRows] = key[e];
+        std::memcpy(vb, value, static_cast<size_t>(value_dim_) * sizeof(float));
+      } else {
+        uint16_t* kb = static_cast<uint16_t*>(const_cast<void*>(KeyBlock(block, h))) + 2 * j;
+        uint16_t* vb = static_cast<uint16_t*>(const_cast<void*>(ValueBlock(block, h))) +
+                       (j / 2) * 2 * value_dim_ + j % 2;
+        for (int64_t e = 0; e < key_dim_; ++e) {
+          kb[(e / 2) * 2 * kBlockRows + e % 2] = FloatToBFloat16(key[e]);
+        }
+        for (int64_t e = 0; e < value_dim_; ++e) vb[2 * e] = FloatToBFloat16(value[e]);
+      }
     }
     ++pending_;
   }
@@ -129,20 +113,52 @@ void KvCache::Commit() {
 }
 
 void KvCache::Rollback() {
+  const int64_t end = length_ + pending_;
   pending_ = 0;
   blocks_.resize(static_cast<size_t>((length_ + kBlockRows - 1) / kBlockRows));
+  // The dropped rows of the block kept: zeros again, as kernels expect.
+  if (length_ % kBlockRows != 0) {
+    ZeroRows(length_ % kBlockRows, std::min(end - (length_ / kBlockRows) * kBlockRows, kBlockRows));
+  }
+}
+
+void KvCache::ZeroRows(int64_t from, int64_t to) {
+  const int64_t block = blocks() - 1;
+  const size_t es = ElementSize();
+  for (int64_t h = 0; h < kv_heads_; ++h) {
+    char* kb = static_cast<char*>(const_cast<void*>(KeyBlock(block, h)));
+    char* vb = static_cast<char*>(const_cast<void*>(ValueBlock(block, h)));
+    for (int64_t j = from; j < to; ++j) {
+      for (int64_t e = 0; e < key_dim_; ++e) std::memset(kb + KeyIndex(j, e) * es, 0, es);
+      for (int64_t e = 0; e < value_dim_; ++e) std::memset(vb + ValueIndex(j, e) * es, 0, es);
+    }
+  }
 }
 
 void KvCache::ReadKey(int64_t row, int64_t head, float* out) const {
-  const char* block = static_cast<const char*>(KeyBlock(row / kBlockRows, head));
-  Load(block + (row % kBlockRows) * static_cast<int64_t>(ElementSize()), key_dim_, dtype_,
-       kBlockRows, out);
+  const int64_t j = row % kBlockRows;
+  const void* block = KeyBlock(row / kBlockRows, head);
+  if (dtype_ == DType::kFloat32) {
+    const float* in = static_cast<const float*>(block) + j;
+    for (int64_t e = 0; e < key_dim_; ++e) out[e] = in[e * kBlockRows];
+  } else {
+    const uint16_t* in = static_cast<const uint16_t*>(block) + 2 * j;
+    for (int64_t e = 0; e < key_dim_; ++e) {
+      out[e] = BFloat16ToFloat(in[(e / 2) * 2 * kBlockRows + e % 2]);
+    }
+  }
 }
 
 void KvCache::ReadValue(int64_t row, int64_t head, float* out) const {
-  const char* block = static_cast<const char*>(ValueBlock(row / kBlockRows, head));
-  Load(block + (row % kBlockRows) * value_dim_ * static_cast<int64_t>(ElementSize()), value_dim_,
-       dtype_, 1, out);
+  const int64_t j = row % kBlockRows;
+  const void* block = ValueBlock(row / kBlockRows, head);
+  if (dtype_ == DType::kFloat32) {
+    std::memcpy(out, static_cast<const float*>(block) + j * value_dim_,
+                static_cast<size_t>(value_dim_) * sizeof(float));
+  } else {
+    const uint16_t* in = static_cast<const uint16_t*>(block) + (j / 2) * 2 * value_dim_ + j % 2;
+    for (int64_t e = 0; e < value_dim_; ++e) out[e] = BFloat16ToFloat(in[2 * e]);
+  }
 }
 
 }  // namespace attention

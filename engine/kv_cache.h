@@ -5,9 +5,17 @@
 // session): paged storage, as vLLM's paged KV cache. Rows live in fixed
 // blocks of kBlockRows rows; a block holds, for each key/value head, its
 // kBlockRows keys and then its kBlockRows value rows, each head's part
-// contiguous. Keys are stored transposed (element e of the block's row j at
-// e * kBlockRows + j), so that a query's scores against a block are
-// kBlockRows-wide multiply-adds with no horizontal sums; values row-major.
+// contiguous. Keys are stored transposed, so that a query's scores against a
+// block are kBlockRows-wide multiply-adds with no horizontal sums; values
+// row by row. Element e of the block's row j:
+//   FLOAT32   key at e * kBlockRows + j, value at j * value_dim + e;
+//   BFLOAT16  in pairs, each 32-bit word two elements that one bf16
+//             multiply-add pair (vdpbf16ps) takes: keys pair elements
+//             e = 2i, 2i + 1 of a row, key at (e / 2) * 2 * kBlockRows +
+//             2 * j + e % 2 (key_dim rounded up to even, the pad element 0);
+//             values pair rows j = 2i, 2i + 1, value at (j / 2) * 2 *
+//             value_dim + 2 * e + j % 2. Widening either to float32 is then
+//             a shift or a mask, with no shuffle.
 // Appending writes only the new rows (into the last block, or a new one);
 // nothing cached is ever copied or moved as the sequence grows.
 
@@ -60,9 +68,8 @@ class KvCache {
   // Drops the pending rows, and the blocks only they used.
   void Rollback();
 
-  // Rows [block * kBlockRows, ...) of head `head`, elements of dtype(): keys
-  // as key_dim rows of kBlockRows (transposed), values as kBlockRows rows of
-  // value_dim. Rows past length() + pending() are zeros. For kernels.
+  // Rows [block * kBlockRows, ...) of head `head`, elements of dtype(), laid
+  // out as above. Rows past length() + pending() are zeros. For kernels.
   const void* KeyBlock(int64_t block, int64_t head) const;
   const void* ValueBlock(int64_t block, int64_t head) const;
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
@@ -77,8 +84,24 @@ class KvCache {
     void operator()(void* p) const;
   };
   size_t ElementSize() const { return dtype_ == DType::kBFloat16 ? 2 : 4; }
+  // Key elements stored per row (BFLOAT16 pairs them: rounded up to even).
+  int64_t StoredKeyDim() const {
+    return dtype_ == DType::kBFloat16 ? (key_dim_ + 1) / 2 * 2 : key_dim_;
+  }
   // Elements of one head's part of a block (keys then values).
-  int64_t HeadStride() const { return kBlockRows * (key_dim_ + value_dim_); }
+  int64_t HeadStride() const { return kBlockRows * (StoredKeyDim() + value_dim_); }
+  // Where element e of a block's row j is, in elements from its head's keys
+  // or values.
+  int64_t KeyIndex(int64_t j, int64_t e) const {
+    return dtype_ == DType::kBFloat16 ? (e / 2) * 2 * kBlockRows + 2 * j + e % 2
+                                      : e * kBlockRows + j;
+  }
+  int64_t ValueIndex(int64_t j, int64_t e) const {
+    return dtype_ == DType::kBFloat16 ? (j / 2) * 2 * value_dim_ + 2 * e + j % 2
+                                      : j * value_dim_ + e;
+  }
+  // Zeros rows [from, to) of the last block (`from` and `to` in it).
+  void ZeroRows(int64_t from, int64_t to);
 
   const int64_t kv_heads_, key_dim_, value_dim_;
   const DType dtype_;

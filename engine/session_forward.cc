@@ -314,6 +314,7 @@ std::vector<DecodeItem> DecodeItems(SessionPlan& plan) {
       it.out_pos_stride = plan.out_ix.pos_stride;
       it.scale = plan.scale;
       it.causal = plan.args->mask.causal == Causal::kBottomRight;
+      it.fast = plan.args->fast;
       items.push_back(it);
     }
   }

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/half.h"
+#include "engine/decode.h"
 #include "engine/engine.h"
 #include "engine/kv_cache.h"
 #include "engine/multihead.h"
@@ -154,6 +155,48 @@ TEST(KvCacheTest, AppendsIntoFixedBlocksAndRollsBack) {
   EXPECT_EQ(cache->bytes(), 2 * cache->block_bytes());
   cache->ReadKey(69, 0, key);
   EXPECT_EQ(key[0], 6900.0f);
+}
+
+// Both storage layouts, odd dims (a BFLOAT16 key row is padded to pairs):
+// every element reads back as stored, and a rollback leaves the blocks
+// exactly as if the dropped rows had never come (zeros past the last row,
+// which kernels read).
+TEST(KvCacheTest, EveryElementReadsBackAndRollbackRestoresZeros) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const int64_t heads = 2, kd = 5, vd = 3, rows = 70;
+    const Input k = Random({rows, heads, kd}, 140), v = Random({rows, heads, vd}, 141);
+    auto cache = NewCache(heads, kd, vd, dtype), twin = NewCache(heads, kd, vd, dtype);
+    ASSERT_THAT(cache->Append(rows, k.values.data(), heads * kd, kd, v.values.data(), heads * vd, vd),
+                IsOk());
+    cache->Commit();
+    ASSERT_THAT(twin->Append(rows, k.values.data(), heads * kd, kd, v.values.data(), heads * vd, vd),
+                IsOk());
+    twin->Commit();
+    auto stored = [&](float x) {
+      return dtype == DType::kBFloat16 ? BFloat16ToFloat(FloatToBFloat16(x)) : x;
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float key[kd], value[vd];
+        cache->ReadKey(r, h, key);
+        cache->ReadValue(r, h, value);
+        for (int64_t e = 0; e < kd; ++e) ASSERT_EQ(key[e], stored(k.values[(r * heads + h) * kd + e]));
+        for (int64_t e = 0; e < vd; ++e) ASSERT_EQ(value[e], stored(v.values[(r * heads + h) * vd + e]));
+      }
+    }
+    // Rows 70-79 of NaN, dropped.
+    const std::vector<float> nan(10 * heads * std::max(kd, vd), std::numeric_limits<float>::quiet_NaN());
+    ASSERT_THAT(cache->Append(10, nan.data(), heads * kd, kd, nan.data(), heads * vd, vd), IsOk());
+    cache->Rollback();
+    ASSERT_EQ(cache->blocks(), twin->blocks());
+    for (int64_t b = 0; b < cache->blocks(); ++b) {
+      EXPECT_EQ(std::memcmp(cache->KeyBlock(b, 0), twin->KeyBlock(b, 0),
+                            static_cast<size_t>(cache->block_bytes())),
+                0)
+          << "block " << b;
+    }
+  }
 }
 
 TEST(KvCacheTest, RejectsBadDimsAndDtypes) {
@@ -308,37 +351,90 @@ TEST_P(SessionTest, GroupedQueryHeadsShareTheirKeyValueHead) {
 // (query heads per key/value head, 1 to 8: rows processed in fours, and
 // what remains) and storage types, with a cache split across threads.
 TEST_P(SessionTest, DecodeKernelShapesMatch) {
-  for (int64_t dim : {32, 64, 80, 128, 256, 40}) {
-    for (int64_t group : {1, 3, 8}) {
-      for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-        SCOPED_TRACE(absl::StrCat("D", dim, " group ", group, " ", DTypeName(dtype)));
-        const int64_t kv_heads = 2, keys = 600;  // 10 blocks: split in two
-        auto cache = NewCache(kv_heads, dim, dim, dtype);
-        const Input k0 = Random({1, kv_heads, keys, dim}, 120), v0 = Random({1, kv_heads, keys, dim}, 121);
-        AttentionArgs args;
-        args.query = k0.view();
-        args.key = k0.view();
-        args.value = v0.view();
-        ASSERT_THAT(Step(args, {cache.get()}), IsOk());
-        const Input q = Random({1, kv_heads * group, 1, dim}, 122),
-                    k = Random({1, kv_heads, 1, dim}, 123), v = Random({1, kv_heads, 1, dim}, 124);
-        args.query = q.view();
-        args.key = k.view();
-        args.value = v.view();
-        absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
-        ASSERT_THAT(got, IsOk());
-        // The stateless call on the rows as the cache stores them.
-        Input keys_all = Concat(k0, k, 2), values_all = Concat(v0, v, 2);
-        if (dtype == DType::kBFloat16) {
-          for (float& x : keys_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
-          for (float& x : values_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
+  for (bool portable : {false, true}) {
+    internal::UsePortableDecodeKernelsForTesting(portable);
+    for (int64_t dim : {32, 64, 80, 128, 256, 40, 33}) {
+      for (int64_t group : {1, 3, 8}) {
+        for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+          SCOPED_TRACE(absl::StrCat(portable ? "portable " : "", "D", dim, " group ", group, " ",
+                                    DTypeName(dtype)));
+          const int64_t kv_heads = 2, keys = 600;  // 10 blocks: split in two
+          auto cache = NewCache(kv_heads, dim, dim, dtype);
+          const Input k0 = Random({1, kv_heads, keys, dim}, 120), v0 = Random({1, kv_heads, keys, dim}, 121);
+          AttentionArgs args;
+          args.query = k0.view();
+          args.key = k0.view();
+          args.value = v0.view();
+          ASSERT_THAT(Step(args, {cache.get()}), IsOk());
+          const Input q = Random({1, kv_heads * group, 1, dim}, 122),
+                      k = Random({1, kv_heads, 1, dim}, 123), v = Random({1, kv_heads, 1, dim}, 124);
+          args.query = q.view();
+          args.key = k.view();
+          args.value = v.view();
+          absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
+          ASSERT_THAT(got, IsOk());
+          // The stateless call on the rows as the cache stores them.
+          Input keys_all = Concat(k0, k, 2), values_all = Concat(v0, v, 2);
+          if (dtype == DType::kBFloat16) {
+            for (float& x : keys_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
+            for (float& x : values_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
+          }
+          AttentionArgs whole = args;
+          whole.key = keys_all.view();
+          whole.value = values_all.view();
+          absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+          ASSERT_THAT(want, IsOk());
+          ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "output");
         }
-        AttentionArgs whole = args;
-        whole.key = keys_all.view();
-        whole.value = values_all.view();
-        absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
-        ASSERT_THAT(want, IsOk());
-        ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "output");
+      }
+    }
+  }
+  internal::UsePortableDecodeKernelsForTesting(false);
+}
+
+// Precision FAST over a BFLOAT16 cache: bf16 dot products (the query and
+// the weights rounded to bfloat16) where the CPU has them, within bfloat16's
+// rounding of the exact answer over the same cached rows; odd dims and an odd
+// last block included.
+TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
+  const bool dot_products = __builtin_cpu_supports("avx512bf16");
+  for (int64_t dim : {64, 128, 33}) {
+    for (int64_t group : {1, 4}) {
+      SCOPED_TRACE(absl::StrCat("D", dim, " group ", group));
+      const int64_t kv_heads = 2, keys = 600;  // 600 + 1 rows: the last block's 25th row
+      auto cache = NewCache(kv_heads, dim, dim, DType::kBFloat16);
+      const Input k0 = Random({1, kv_heads, keys, dim}, 150), v0 = Random({1, kv_heads, keys, dim}, 151);
+      AttentionArgs args;
+      args.query = k0.view();
+      args.key = k0.view();
+      args.value = v0.view();
+      ASSERT_THAT(Step(args, {cache.get()}), IsOk());
+      const Input q = Random({1, kv_heads * group, 1, dim}, 152),
+                  k = Random({1, kv_heads, 1, dim}, 153), v = Random({1, kv_heads, 1, dim}, 154);
+      args.query = q.view();
+      args.key = k.view();
+      args.value = v.view();
+      args.fast = true;
+      absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
+      ASSERT_THAT(got, IsOk());
+      Input keys_all = Concat(k0, k, 2), values_all = Concat(v0, v, 2);
+      for (float& x : keys_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
+      for (float& x : values_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
+      AttentionArgs whole = args;
+      whole.fast = false;
+      whole.key = keys_all.view();
+      whole.value = values_all.view();
+      absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+      ASSERT_THAT(want, IsOk());
+      const std::vector<float> g = Values(got->output.data), w = Values(want->output.data);
+      float worst = 0;
+      for (size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::abs(g[i] - w[i]));
+      // The query and the weights rounded by up to 2^-9 relative: here up to
+      // 5e-4 on outputs that average N(0, 1) values.
+      EXPECT_LE(worst, 2e-3f);
+      // Bit-equal would mean float32 math ran: only on CPUs without bf16 dot products.
+      if (dot_products) {
+        EXPECT_GT(worst, 0.0f);
       }
     }
   }
