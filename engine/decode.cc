@@ -131,6 +131,23 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
   return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// Starts bringing `bytes` at p (whole cache lines) into L1 while the thread
+// computes: the next block's part, a slice at a time.
+ATTN_AVX512 inline void Prefetch(const char* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// s[r * kBlockRows + 16 t + i] = scale * acc[r][t] lane i.
+template <int kRows>
+ATTN_AVX512 inline void StoreScores(const __m512 (&acc)[kRows][4], float scale, float* s) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < 4; ++t) {
+      _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
+    }
+  }
+}
+
 // Scores of kRows rows against the block's 64 keys, in four registers of 16
 // keys each. Whole blocks are computed (the rows past n are zeros); n only
 // bounds what the caller reads.
@@ -154,18 +171,9 @@ ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64
       acc[r][2] = _mm512_fmadd_ps(k2, qe, acc[r][2]);
       acc[r][3] = _mm512_fmadd_ps(k3, qe, acc[r][3]);
     }
-    if (next_k != nullptr) {
-      for (int64_t off = 0; off < kRowBytes; off += 64) {
-        _mm_prefetch(next_k + e * kRowBytes + off, _MM_HINT_T0);
-      }
-    }
+    if (next_k != nullptr) Prefetch(next_k + e * kRowBytes, kRowBytes);
   }
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int r = 0; r < kRows; ++r) {
-    for (int t = 0; t < 4; ++t) {
-      _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
-    }
-  }
+  StoreScores<kRows>(acc, scale, s);
 }
 
 // The same over a BFLOAT16 cache, float32 math: each pair of key elements
@@ -192,18 +200,9 @@ ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int6
         if (second) acc[r][t] = _mm512_fmadd_ps(second_k, _mm512_set1_ps(qr[2 * i + 1]), acc[r][t]);
       }
     }
-    if (next_k != nullptr) {
-      for (int64_t off = 0; off < kPairBytes; off += 64) {
-        _mm_prefetch(next_k + i * kPairBytes + off, _MM_HINT_T0);
-      }
-    }
+    if (next_k != nullptr) Prefetch(next_k + i * kPairBytes, kPairBytes);
   }
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int r = 0; r < kRows; ++r) {
-    for (int t = 0; t < 4; ++t) {
-      _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
-    }
-  }
+  StoreScores<kRows>(acc, scale, s);
 }
 
 // The same with bf16 dot products: q[r] is bfloat16 pairs, one 32-bit word
@@ -230,18 +229,9 @@ ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* 
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], reinterpret_cast<__m512bh>(k2), qi);
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], reinterpret_cast<__m512bh>(k3), qi);
     }
-    if (next_k != nullptr) {
-      for (int64_t off = 0; off < kPairBytes; off += 64) {
-        _mm_prefetch(next_k + i * kPairBytes + off, _MM_HINT_T0);
-      }
-    }
+    if (next_k != nullptr) Prefetch(next_k + i * kPairBytes, kPairBytes);
   }
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int r = 0; r < kRows; ++r) {
-    for (int t = 0; t < 4; ++t) {
-      _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
-    }
-  }
+  StoreScores<kRows>(acc, scale, s);
 }
 
 template <Math kMath, int kRows>
@@ -375,11 +365,7 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
       const __m512 pj = _mm512_set1_ps(p[r * kBlockRows + j]);
       for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
     }
-    if (next_v != nullptr) {
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        _mm_prefetch(next_v + j * row_bytes + off, _MM_HINT_T0);
-      }
-    }
+    if (next_v != nullptr) Prefetch(next_v + j * row_bytes, row_bytes);
   }
   for (int r = 0; r < kRows; ++r) {
     for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
@@ -410,11 +396,7 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
         }
       }
     }
-    if (next_v != nullptr) {
-      for (int64_t off = 0; off < pair_bytes; off += 64) {
-        _mm_prefetch(next_v + (j / 2) * pair_bytes + off, _MM_HINT_T0);
-      }
-    }
+    if (next_v != nullptr) Prefetch(next_v + (j / 2) * pair_bytes, pair_bytes);
   }
   for (int r = 0; r < kRows; ++r) {
     for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
@@ -452,11 +434,7 @@ ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* 
         a[r][k] = _mm512_dpbf16_ps(a[r][k], reinterpret_cast<__m512bh>(vi[k]), w);
       }
     }
-    if (next_v != nullptr) {
-      for (int64_t off = 0; off < pair_bytes; off += 64) {
-        _mm_prefetch(next_v + i * pair_bytes + off, _MM_HINT_T0);
-      }
-    }
+    if (next_v != nullptr) Prefetch(next_v + i * pair_bytes, pair_bytes);
   }
   for (int r = 0; r < kRows; ++r) {
     for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);

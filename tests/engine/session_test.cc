@@ -88,6 +88,11 @@ void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, f
 
 std::vector<float> Values(const FloatBuffer& b) { return {b.begin(), b.end()}; }
 
+// x as a cache of `dtype` stores it.
+float Stored(float x, DType dtype) {
+  return dtype == DType::kBFloat16 ? BFloat16ToFloat(FloatToBFloat16(x)) : x;
+}
+
 std::unique_ptr<KvCache> NewCache(int64_t heads, int64_t kd, int64_t vd,
                                   DType dtype = DType::kFloat32) {
   return std::move(KvCache::Create(heads, kd, vd, dtype)).value();
@@ -117,6 +122,19 @@ class SessionTest : public ::testing::TestWithParam<Backend> {
       }
     }
     return r;
+  }
+
+  // The stateless call of `args` over the cached rows k0 / v0 and then the
+  // step's k / v ([1, Hk, S, D] each), as a cache of `dtype` stores them.
+  absl::StatusOr<AttentionResult> StatelessOverStored(AttentionArgs args, const Input& k0,
+                                                      const Input& v0, const Input& k,
+                                                      const Input& v, DType dtype) {
+    Input keys = Concat(k0, k, 2), values = Concat(v0, v, 2);
+    for (float& x : keys.values) x = Stored(x, dtype);
+    for (float& x : values.values) x = Stored(x, dtype);
+    args.key = keys.view();
+    args.value = values.view();
+    return engine_->Attend(args);
   }
 
   std::unique_ptr<Engine> engine_;
@@ -173,16 +191,13 @@ TEST(KvCacheTest, EveryElementReadsBackAndRollbackRestoresZeros) {
     ASSERT_THAT(twin->Append(rows, k.values.data(), heads * kd, kd, v.values.data(), heads * vd, vd),
                 IsOk());
     twin->Commit();
-    auto stored = [&](float x) {
-      return dtype == DType::kBFloat16 ? BFloat16ToFloat(FloatToBFloat16(x)) : x;
-    };
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
         float key[kd], value[vd];
         cache->ReadKey(r, h, key);
         cache->ReadValue(r, h, value);
-        for (int64_t e = 0; e < kd; ++e) ASSERT_EQ(key[e], stored(k.values[(r * heads + h) * kd + e]));
-        for (int64_t e = 0; e < vd; ++e) ASSERT_EQ(value[e], stored(v.values[(r * heads + h) * vd + e]));
+        for (int64_t e = 0; e < kd; ++e) ASSERT_EQ(key[e], Stored(k.values[(r * heads + h) * kd + e], dtype));
+        for (int64_t e = 0; e < vd; ++e) ASSERT_EQ(value[e], Stored(v.values[(r * heads + h) * vd + e], dtype));
       }
     }
     // Rows 70-79 of NaN, dropped.
@@ -375,16 +390,7 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
           args.value = v.view();
           absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
           ASSERT_THAT(got, IsOk());
-          // The stateless call on the rows as the cache stores them.
-          Input keys_all = Concat(k0, k, 2), values_all = Concat(v0, v, 2);
-          if (dtype == DType::kBFloat16) {
-            for (float& x : keys_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
-            for (float& x : values_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
-          }
-          AttentionArgs whole = args;
-          whole.key = keys_all.view();
-          whole.value = values_all.view();
-          absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+          absl::StatusOr<AttentionResult> want = StatelessOverStored(args, k0, v0, k, v, dtype);
           ASSERT_THAT(want, IsOk());
           ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "output");
         }
@@ -419,14 +425,10 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
       args.fast = true;
       absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
       ASSERT_THAT(got, IsOk());
-      Input keys_all = Concat(k0, k, 2), values_all = Concat(v0, v, 2);
-      for (float& x : keys_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
-      for (float& x : values_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
-      AttentionArgs whole = args;
-      whole.fast = false;
-      whole.key = keys_all.view();
-      whole.value = values_all.view();
-      absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+      AttentionArgs exact = args;
+      exact.fast = false;
+      absl::StatusOr<AttentionResult> want =
+          StatelessOverStored(exact, k0, v0, k, v, DType::kBFloat16);
       ASSERT_THAT(want, IsOk());
       const std::vector<float> g = Values(got->output.data), w = Values(want->output.data);
       float worst = 0;
@@ -478,15 +480,7 @@ TEST_P(SessionTest, NonFiniteCachedRowsMatchTheStatelessCall) {
     args.value = v.view();
     absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
     ASSERT_THAT(got, IsOk());
-    Input keys_all = Concat(k0, k, 2), values_all = Concat(v0, v, 2);
-    if (dtype == DType::kBFloat16) {
-      for (float& x : keys_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
-      for (float& x : values_all.values) x = BFloat16ToFloat(FloatToBFloat16(x));
-    }
-    AttentionArgs whole = args;
-    whole.key = keys_all.view();
-    whole.value = values_all.view();
-    absl::StatusOr<AttentionResult> want = engine_->Attend(whole);
+    absl::StatusOr<AttentionResult> want = StatelessOverStored(args, k0, v0, k, v, dtype);
     ASSERT_THAT(want, IsOk());
     const std::vector<float> g = Values(got->output.data), w = Values(want->output.data);
     ASSERT_EQ(g.size(), w.size());
