@@ -59,8 +59,6 @@ const char* DTypeName(DType dtype) {
 
 namespace {
 
-constexpr size_t kPooledMin = size_t{1} << 20;
-constexpr size_t kPoolCap = size_t{512} << 20;
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 
 int64_t NowNs() {
@@ -69,108 +67,138 @@ int64_t NowNs() {
       .count();
 }
 
-// Freed large blocks by size, each with when it was freed. Every block starts
-// with a 64-byte header holding its size, so the memory handed out stays
-// 64-byte aligned.
-struct OutputPool {
+// Blocks of at least `min_pooled` bytes, kept by size when freed (up to
+// `cap` bytes in all), each with when it was freed. Every block starts with
+// a 64-byte header holding its size, and blocks are 64-byte aligned, so the
+// memory handed out is too.
+class MemoryPool {
+ public:
+  MemoryPool(size_t min_pooled, size_t cap) : min_pooled_(min_pooled), cap_(cap) {}
+
+  void* Allocate(size_t bytes) {
+    ReleaseIdleBlocks();
+    if (bytes >= min_pooled_) {
+      absl::MutexLock lock(&mu_);
+      // The smallest free block that fits, if it wastes at most half of itself.
+      auto it = free_blocks_.lower_bound(bytes);
+      if (it != free_blocks_.end() && it->first <= 2 * bytes) {
+        // Of that size, the block freed last: the others can then go unused
+        // long enough to be freed, rather than all taking turns for good.
+        it = std::prev(free_blocks_.upper_bound(it->first));
+        void* p = it->second.p;  // its header still holds its real size
+        free_bytes_ -= it->first;
+        free_blocks_.erase(it);
+        return static_cast<char*>(p) + 64;
+      }
+    }
+    void* p = std::aligned_alloc(64, (bytes + 64 + 63) / 64 * 64);
+    if (p == nullptr) return nullptr;
+    *static_cast<size_t*>(p) = bytes;
+    return static_cast<char*>(p) + 64;
+  }
+
+  void Free(void* user) {
+    if (user == nullptr) return;
+    void* p = static_cast<char*>(user) - 64;
+    const size_t size = *static_cast<size_t*>(p);
+    if (size >= min_pooled_) {
+      absl::MutexLock lock(&mu_);
+      if (free_bytes_ + size <= cap_) {
+        const int64_t now = NowNs();
+        free_blocks_.emplace(size, Block{p, now});
+        free_bytes_ += size;
+        if (now < oldest_freed_ns_.load(std::memory_order_relaxed)) {
+          oldest_freed_ns_.store(now, std::memory_order_relaxed);
+        }
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+  size_t pooled_bytes() {
+    absl::MutexLock lock(&mu_);
+    return free_bytes_;
+  }
+
+  int64_t SetIdleLimit(int64_t ns) {
+    return idle_limit_ns_.exchange(ns, std::memory_order_relaxed);
+  }
+
+ private:
   struct Block {
     void* p;
     int64_t freed_ns;
   };
-  absl::Mutex mu;
-  std::multimap<size_t, Block> free_blocks ABSL_GUARDED_BY(mu);
-  size_t free_bytes ABSL_GUARDED_BY(mu) = 0;
-  std::atomic<int64_t> idle_limit_ns{int64_t{10} * 1000 * 1000 * 1000};
+
+  // Frees the blocks pooled for longer than the idle limit.
+  void ReleaseIdleBlocks() {
+    const int64_t now = NowNs();
+    const int64_t limit = idle_limit_ns_.load(std::memory_order_relaxed);
+    const int64_t oldest = oldest_freed_ns_.load(std::memory_order_relaxed);
+    if (oldest == kNever || now - oldest < limit) return;
+    std::vector<void*> stale;
+    {
+      absl::MutexLock lock(&mu_);
+      int64_t still_oldest = kNever;
+      for (auto it = free_blocks_.begin(); it != free_blocks_.end();) {
+        if (now - it->second.freed_ns >= limit) {
+          stale.push_back(it->second.p);
+          free_bytes_ -= it->first;
+          it = free_blocks_.erase(it);
+        } else {
+          still_oldest = std::min(still_oldest, it->second.freed_ns);
+          ++it;
+        }
+      }
+      oldest_freed_ns_.store(still_oldest, std::memory_order_relaxed);
+    }
+    for (void* p : stale) std::free(p);
+  }
+
+  const size_t min_pooled_, cap_;
+  absl::Mutex mu_;
+  std::multimap<size_t, Block> free_blocks_ ABSL_GUARDED_BY(mu_);
+  size_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int64_t> idle_limit_ns_{int64_t{10} * 1000 * 1000 * 1000};
   // No pooled block was freed before this (kNever: none is pooled), so most
   // allocations see that nothing is stale without taking the lock.
-  std::atomic<int64_t> oldest_freed_ns{kNever};
+  std::atomic<int64_t> oldest_freed_ns_{kNever};
 };
 
-OutputPool& Pool() {
-  static OutputPool* pool = new OutputPool;
+MemoryPool& OutputPool() {
+  static MemoryPool* pool = new MemoryPool(size_t{1} << 20, size_t{512} << 20);
   return *pool;
 }
 
-// Frees the blocks pooled for longer than the idle limit.
-void ReleaseIdleBlocks(OutputPool& pool) {
-  const int64_t now = NowNs();
-  const int64_t limit = pool.idle_limit_ns.load(std::memory_order_relaxed);
-  const int64_t oldest = pool.oldest_freed_ns.load(std::memory_order_relaxed);
-  if (oldest == kNever || now - oldest < limit) return;
-  std::vector<void*> stale;
-  {
-    absl::MutexLock lock(&pool.mu);
-    int64_t still_oldest = kNever;
-    for (auto it = pool.free_blocks.begin(); it != pool.free_blocks.end();) {
-      if (now - it->second.freed_ns >= limit) {
-        stale.push_back(it->second.p);
-        pool.free_bytes -= it->first;
-        it = pool.free_blocks.erase(it);
-      } else {
-        still_oldest = std::min(still_oldest, it->second.freed_ns);
-        ++it;
-      }
-    }
-    pool.oldest_freed_ns.store(still_oldest, std::memory_order_relaxed);
-  }
-  for (void* p : stale) std::free(p);
+MemoryPool& SessionBlockPool() {
+  static MemoryPool* pool = new MemoryPool(0, size_t{256} << 20);
+  return *pool;
 }
 
 }  // namespace
 
 void* AllocateOutputMemory(size_t bytes) {
-  OutputPool& pool = Pool();
-  ReleaseIdleBlocks(pool);
-  if (bytes >= kPooledMin) {
-    absl::MutexLock lock(&pool.mu);
-    // The smallest free block that fits, if it wastes at most half of itself.
-    auto it = pool.free_blocks.lower_bound(bytes);
-    if (it != pool.free_blocks.end() && it->first <= 2 * bytes) {
-      // Of that size, the block freed last: the others can then go unused
-      // long enough to be freed, rather than all taking turns for good.
-      it = std::prev(pool.free_blocks.upper_bound(it->first));
-      void* p = it->second.p;  // its header still holds its real size
-      pool.free_bytes -= it->first;
-      pool.free_blocks.erase(it);
-      return static_cast<char*>(p) + 64;
-    }
-  }
-  void* p = std::malloc(bytes + 64);
+  void* p = OutputPool().Allocate(bytes);
   if (p == nullptr) throw std::bad_alloc();
-  *static_cast<size_t*>(p) = bytes;
-  return static_cast<char*>(p) + 64;
+  return p;
 }
 
-void FreeOutputMemory(void* user, size_t /*bytes*/) {
-  if (user == nullptr) return;
-  void* p = static_cast<char*>(user) - 64;
-  const size_t size = *static_cast<size_t*>(p);
-  if (size >= kPooledMin) {
-    OutputPool& pool = Pool();
-    absl::MutexLock lock(&pool.mu);
-    if (pool.free_bytes + size <= kPoolCap) {
-      const int64_t now = NowNs();
-      pool.free_blocks.emplace(size, OutputPool::Block{p, now});
-      pool.free_bytes += size;
-      if (now < pool.oldest_freed_ns.load(std::memory_order_relaxed)) {
-        pool.oldest_freed_ns.store(now, std::memory_order_relaxed);
-      }
-      return;
-    }
-  }
-  std::free(p);
-}
+void FreeOutputMemory(void* user, size_t /*bytes*/) { OutputPool().Free(user); }
 
-size_t PooledOutputBytes() {
-  OutputPool& pool = Pool();
-  absl::MutexLock lock(&pool.mu);
-  return pool.free_bytes;
-}
+size_t PooledOutputBytes() { return OutputPool().pooled_bytes(); }
 
 std::chrono::nanoseconds SetOutputPoolIdleLimit(std::chrono::nanoseconds limit) {
-  return std::chrono::nanoseconds(
-      Pool().idle_limit_ns.exchange(limit.count(), std::memory_order_relaxed));
+  const int64_t previous = OutputPool().SetIdleLimit(limit.count());
+  SessionBlockPool().SetIdleLimit(limit.count());
+  return std::chrono::nanoseconds(previous);
 }
+
+void* AllocateSessionBlock(size_t bytes) { return SessionBlockPool().Allocate(bytes); }
+
+void FreeSessionBlock(void* p) { SessionBlockPool().Free(p); }
+
+size_t PooledSessionBlockBytes() { return SessionBlockPool().pooled_bytes(); }
 
 namespace internal {
 

@@ -49,9 +49,17 @@ void FreeOutputMemory(void* p, size_t bytes);
 // Bytes of freed blocks the pool keeps for reuse now (this process's RSS
 // includes them).
 size_t PooledOutputBytes();
-// How long a pooled block may go unused before it is freed; returns the
-// previous limit. For tests.
+// How long a pooled block (of either pool) may go unused before it is freed;
+// returns the previous limit. For tests.
 std::chrono::nanoseconds SetOutputPoolIdleLimit(std::chrono::nanoseconds limit);
+
+// Memory for session cache blocks (engine/kv_cache.h), 64-byte aligned; null
+// when none can be had. Pooled likewise, blocks of any size, up to 256 MiB:
+// a session's blocks, freed when it closes, serve the next sessions' without
+// page faults. PooledSessionBlockBytes: what the pool keeps now (in the RSS).
+void* AllocateSessionBlock(size_t bytes);
+void FreeSessionBlock(void* p);
+size_t PooledSessionBlockBytes();
 
 // An allocator that leaves new elements of trivial types uninitialised: the
 // engine writes every element of its outputs, from several threads, so

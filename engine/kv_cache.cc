@@ -12,11 +12,10 @@ namespace attention {
 namespace {
 
 constexpr int64_t kMaxDim = int64_t{1} << 20;
-constexpr size_t kBlockAlignment = 64;
 
 }  // namespace
 
-void KvCache::FreeBlock::operator()(void* p) const { std::free(p); }
+void KvCache::FreeBlock::operator()(void* p) const { FreeSessionBlock(p); }
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(int64_t kv_heads, int64_t key_dim,
                                                          int64_t value_dim, DType dtype) {
@@ -72,9 +71,8 @@ absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
     const int64_t row = length_ + pending_;
     const int64_t block = row / kBlockRows;
     if (block == blocks()) {
-      const size_t size =
-          (static_cast<size_t>(block_bytes()) + kBlockAlignment - 1) / kBlockAlignment * kBlockAlignment;
-      void* p = std::aligned_alloc(kBlockAlignment, size);
+      const size_t size = static_cast<size_t>(block_bytes());
+      void* p = AllocateSessionBlock(size);
       if (p == nullptr) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "session cache: could not allocate a block of ", block_bytes(), " bytes"));

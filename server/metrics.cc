@@ -353,6 +353,12 @@ std::string Metrics::RenderPrometheus() const {
                "Bytes the open sessions' caches hold (--session_memory_mb caps them).", &out);
   AppendSample("attention_session_cache_bytes", "",
                absl::StrCat(session_cache_bytes_.load(std::memory_order_relaxed)), &out);
+  AppendHeader("attention_session_pooled_bytes", "gauge",
+               "Blocks of closed sessions' caches kept for new sessions, up to 256 MiB; freed "
+               "after 10 s unused.",
+               &out);
+  AppendSample("attention_session_pooled_bytes", "", absl::StrCat(PooledSessionBlockBytes()),
+               &out);
   by_reason("attention_sessions_ended_total",
             "Sessions ended: closed by their caller, evicted for memory, expired when idle, or "
             "removed again because the request creating them failed.",

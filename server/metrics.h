@@ -32,6 +32,7 @@ namespace attention::server {
 //   attention_not_computed_total{reason}                   counter
 //   attention_interrupted_total{reason}                    counter
 //   attention_sessions_open, attention_session_cache_bytes gauges
+//   attention_session_pooled_bytes                         gauge (the process's)
 //   attention_sessions_ended_total{reason}                 counter
 //   attention_session_rows_appended_total                  counter
 //   attention_queue_limit, attention_memory_budget_bytes,

@@ -11,7 +11,9 @@
 // key and head for (key_dim + value_dim) x element bytes read, so grouped
 // queries and BFLOAT16 raise the work per byte: where the memory target asks
 // for most of the peak, the kernel is bound by arithmetic, not memory.
-// Each figure is the median of several timed rounds. Prints a table and
+// Each figure is the median of 7 rounds, each of which times the probes and
+// every step of a shape one after another (so a ratio compares times taken
+// moments apart on the shared machine). Prints a table and
 // "PASS" / "MISS" per target; with --enforce exits 1 on a miss. Timed, so
 // not a unit test: `bash deploy/bench.sh decode` runs it.
 //
@@ -79,28 +81,38 @@ uint64_t SumWords(const uint64_t* p, size_t n) {
   return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
 }
 
-// Bytes per second `threads` threads read from a buffer of `bytes` bytes,
-// each streaming its share (summed, so the reads cannot be skipped).
-double ReadBandwidth(size_t bytes, int threads) {
-  const size_t n = bytes / sizeof(uint64_t);
-  std::vector<uint64_t> buffer(n);
+// `threads` threads each streaming their share of a buffer far larger than
+// the CPU's caches (summed, so the reads cannot be skipped).
+class ReadProbe {
+ public:
+  ReadProbe(size_t bytes, int threads) : buffer_(bytes / sizeof(uint64_t)), threads_(threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (size_t i = 0; i < n; ++i) buffer[i] = i;
-  volatile uint64_t sink = 0;
-  const double seconds = TimePerCall(
-      [&] {
-        uint64_t total = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-        {
-          const size_t share = n / static_cast<size_t>(omp_get_num_threads()) / 8 * 8;
-          const size_t first = share * static_cast<size_t>(omp_get_thread_num());
-          total += SumWords(buffer.data() + first, share);
-        }
-        sink = sink + total;
-      },
-      5, 0.3);
-  return static_cast<double>(bytes) / seconds;
-}
+    for (size_t i = 0; i < buffer_.size(); ++i) buffer_[i] = i;
+  }
+  size_t bytes() const { return buffer_.size() * sizeof(uint64_t); }
+  // Bytes per second over `rounds` rounds of at least `min_seconds`.
+  double BytesPerSecond(int rounds, double min_seconds) {
+    const size_t n = buffer_.size();
+    const double seconds = TimePerCall(
+        [&] {
+          uint64_t total = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : total)
+          {
+            const size_t share = n / static_cast<size_t>(omp_get_num_threads()) / 8 * 8;
+            const size_t first = share * static_cast<size_t>(omp_get_thread_num());
+            total += SumWords(buffer_.data() + first, share);
+          }
+          sink_ = sink_ + total;
+        },
+        rounds, min_seconds);
+    return static_cast<double>(bytes()) / seconds;
+  }
+
+ private:
+  std::vector<uint64_t> buffer_;
+  const int threads_;
+  volatile uint64_t sink_ = 0;
+};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // 16-lane FMAs on 12 independent chains (more than latency x throughput).
@@ -124,9 +136,9 @@ __attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
 }
 #endif
 
-// Float multiply-adds per second on `threads` threads at once, or 0 where
-// the probe has no kernel (no AVX-512).
-double MultiplyAddPeak(int threads) {
+// Float multiply-adds per second on `threads` threads at once (the median
+// of `rounds` rounds), or 0 where the probe has no kernel (no AVX-512).
+double MultiplyAddPeak(int threads, int rounds) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if (!__builtin_cpu_supports("avx512f")) return 0;
   constexpr int64_t kIterations = 4'000'000;
@@ -138,7 +150,7 @@ double MultiplyAddPeak(int threads) {
         total += FmaLoop(kIterations);
         sink = sink + total;
       },
-      5, 0.2);
+      rounds, 0.2);
   return static_cast<double>(threads) * kIterations * 12 * 16 / seconds;
 #else
   (void)threads;
@@ -159,85 +171,103 @@ struct Shape {
   int64_t batch, heads, kv_heads, keys, dim;
 };
 
-struct DecodeFigures {
-  double step_seconds = 0;
-  double bytes_per_step = 0;
-};
-
-// Sessions of `s.keys` rows each, then one-row steps (appended, attended,
-// dropped again so every step sees the same length).
-DecodeFigures Decode(const Engine& engine, const Shape& s, DType dtype, bool fast = false) {
-  std::vector<std::unique_ptr<KvCache>> caches;
-  SessionCall session;
-  // Rows appended in chunks of one random block, reused: the values do not
-  // matter to the time.
-  const int64_t chunk = 1024;
-  const std::vector<float> rows = RandomFloats(static_cast<size_t>(chunk * s.kv_heads * s.dim), 1);
-  for (int64_t b = 0; b < s.batch; ++b) {
-    caches.push_back(std::move(KvCache::Create(s.kv_heads, s.dim, s.dim, dtype)).value());
-    for (int64_t done = 0; done < s.keys; done += chunk) {
-      const int64_t n = std::min(chunk, s.keys - done);
-      const int64_t row = s.kv_heads * s.dim;
-      if (!caches.back()->Append(n, rows.data(), row, s.dim, rows.data(), row, s.dim).ok()) {
-        std::fprintf(stderr, "could not fill a cache\n");
-        std::exit(2);
-      }
-    }
-    caches.back()->Commit();
-    session.caches.push_back(caches.back().get());
-  }
-  const std::vector<float> q = RandomFloats(static_cast<size_t>(s.batch * s.heads * s.dim), 2);
-  const std::vector<float> kv = RandomFloats(static_cast<size_t>(s.batch * s.kv_heads * s.dim), 3);
-  AttentionArgs args;
-  args.query = TensorView{DType::kFloat32, {s.batch, s.heads, 1, s.dim}, q.data(), q.size() * 4};
-  args.key = TensorView{DType::kFloat32, {s.batch, s.kv_heads, 1, s.dim}, kv.data(), kv.size() * 4};
-  args.value = args.key;
-  args.mask.causal = Causal::kBottomRight;
-  args.fast = fast;
-  EngineCall call{&args, nullptr};
-  call.session = &session;
-  DecodeFigures f;
-  f.step_seconds = TimePerCall(
-      [&] {
-        absl::StatusOr<AttentionResult> r = std::move(engine.AttendBatch({&call, 1}).front());
-        if (!r.ok()) {
-          std::fprintf(stderr, "decode step: %s\n", r.status().ToString().c_str());
+// Sessions of `s.keys` rows each in caches of `dtype`, and their one-row
+// steps (appended, attended, dropped again so every step sees the same
+// length).
+class Decoder {
+ public:
+  Decoder(const Shape& s, DType dtype) {
+    // Rows appended in chunks of one random block, reused: the values do not
+    // matter to the time.
+    const int64_t chunk = 1024;
+    const std::vector<float> rows = RandomFloats(static_cast<size_t>(chunk * s.kv_heads * s.dim), 1);
+    for (int64_t b = 0; b < s.batch; ++b) {
+      caches_.push_back(std::move(KvCache::Create(s.kv_heads, s.dim, s.dim, dtype)).value());
+      for (int64_t done = 0; done < s.keys; done += chunk) {
+        const int64_t n = std::min(chunk, s.keys - done);
+        const int64_t row = s.kv_heads * s.dim;
+        if (!caches_.back()->Append(n, rows.data(), row, s.dim, rows.data(), row, s.dim).ok()) {
+          std::fprintf(stderr, "could not fill a cache\n");
           std::exit(2);
         }
-        for (KvCache* c : session.caches) c->Rollback();
-      },
-      7, 0.2);
-  const double element = dtype == DType::kFloat32 ? 4 : 2;
-  f.bytes_per_step = static_cast<double>(s.batch * s.kv_heads * (s.keys + 1) * 2 * s.dim) * element;
-  return f;
-}
+      }
+      caches_.back()->Commit();
+      session_.caches.push_back(caches_.back().get());
+    }
+    q_ = RandomFloats(static_cast<size_t>(s.batch * s.heads * s.dim), 2);
+    kv_ = RandomFloats(static_cast<size_t>(s.batch * s.kv_heads * s.dim), 3);
+    args_.query = TensorView{DType::kFloat32, {s.batch, s.heads, 1, s.dim}, q_.data(), q_.size() * 4};
+    args_.key =
+        TensorView{DType::kFloat32, {s.batch, s.kv_heads, 1, s.dim}, kv_.data(), kv_.size() * 4};
+    args_.value = args_.key;
+    args_.mask.causal = Causal::kBottomRight;
+    const double element = dtype == DType::kFloat32 ? 4 : 2;
+    bytes_per_step_ = static_cast<double>(s.batch * s.kv_heads * (s.keys + 1) * 2 * s.dim) * element;
+  }
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
+  double bytes_per_step() const { return bytes_per_step_; }
+
+  // Seconds per step (`fast`: precision FAST), over `rounds` rounds.
+  double StepSeconds(const Engine& engine, bool fast, int rounds) {
+    args_.fast = fast;
+    EngineCall call{&args_, nullptr};
+    call.session = &session_;
+    return TimePerCall(
+        [&] {
+          absl::StatusOr<AttentionResult> r = std::move(engine.AttendBatch({&call, 1}).front());
+          if (!r.ok()) {
+            std::fprintf(stderr, "decode step: %s\n", r.status().ToString().c_str());
+            std::exit(2);
+          }
+          for (KvCache* c : session_.caches) c->Rollback();
+        },
+        rounds, 0.2);
+  }
+
+ private:
+  std::vector<std::unique_ptr<KvCache>> caches_;
+  SessionCall session_;
+  std::vector<float> q_, kv_;
+  AttentionArgs args_;
+  double bytes_per_step_ = 0;
+};
 
 // Prefill of `keys` rows (causal) into a new session, and the same call
-// stateless: seconds each.
-std::pair<double, double> Prefill(const Engine& engine, int64_t heads, int64_t keys,
-                                  int64_t dim) {
+// stateless, alternating over `rounds` rounds: the median seconds of each,
+// and the median of the rounds' ratios.
+struct PrefillFigures {
+  double session = 0, stateless = 0, ratio = 0;
+};
+
+PrefillFigures Prefill(const Engine& engine, int64_t heads, int64_t keys, int64_t dim, int rounds) {
   const std::vector<float> x = RandomFloats(static_cast<size_t>(keys * heads * dim), 4);
   AttentionArgs args;
   args.query = TensorView{DType::kFloat32, {1, keys, heads * dim}, x.data(), x.size() * 4};
   args.num_heads = heads;
   args.mask.causal = Causal::kBottomRight;
-  const double stateless = TimePerCall(
-      [&] {
-        if (!engine.Attend(args).ok()) std::exit(2);
-      },
-      5, 0.5);
-  const double session = TimePerCall(
-      [&] {
-        std::unique_ptr<KvCache> cache =
-            std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
-        SessionCall s{{cache.get()}, false};
-        EngineCall call{&args, nullptr};
-        call.session = &s;
-        if (!engine.AttendBatch({&call, 1}).front().ok()) std::exit(2);
-        cache->Commit();
-      },
-      5, 0.5);
-  return {session, stateless};
+  std::vector<double> session, stateless, ratio;
+  for (int r = 0; r < rounds; ++r) {
+    stateless.push_back(TimePerCall(
+        [&] {
+          if (!engine.Attend(args).ok()) std::exit(2);
+        },
+        1, 0.3));
+    session.push_back(TimePerCall(
+        [&] {
+          std::unique_ptr<KvCache> cache =
+              std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
+          SessionCall s{{cache.get()}, false};
+          EngineCall call{&args, nullptr};
+          call.session = &s;
+          if (!engine.AttendBatch({&call, 1}).front().ok()) std::exit(2);
+          cache->Commit();
+        },
+        1, 0.3));
+    ratio.push_back(session.back() / stateless.back());
+  }
+  return {Median(session), Median(stateless), Median(ratio)};
 }
 
 int Main(int argc, char** argv) {
@@ -264,49 +294,70 @@ int Main(int argc, char** argv) {
     ok &= pass;
     return pass ? "PASS" : "MISS";
   };
-  const double probe = ReadBandwidth(size_t{1} << 30, threads);
-  std::printf("memory-read probe: %d threads streaming 1 GiB: %.2f GB/s\n\n", threads,
-              probe / 1e9);
-  const double peak = MultiplyAddPeak(threads);
-  if (peak > 0) {
-    std::printf("multiply-add probe: %d threads of independent 16-lane FMAs: %.1f G/s\n", threads,
-                peak / 1e9);
-  }
-  std::printf("\n%-24s %-9s %10s %10s %9s %10s %7s\n", "decode (1 row/session)", "cache",
-              "step us", "GB/s read", "vs probe", "FMA peak", "target");
-  // The share of the multiply-add peak a step used (blank without a probe).
-  auto peak_used = [&](const Shape& s, const DecodeFigures& f, double element) {
-    if (peak <= 0) return std::string();
-    const double per_byte = static_cast<double>(s.heads / s.kv_heads) / element;
-    char text[32];
-    std::snprintf(text, sizeof text, "%.2fx", f.bytes_per_step / f.step_seconds * per_byte / peak);
-    return std::string(text);
-  };
+  // The machine is shared: every figure is a ratio within one round (the
+  // probes, then the FLOAT32, BFLOAT16 and BFLOAT16 FAST steps, one after
+  // another), and the table gives the median over the rounds.
+  constexpr int kRounds = 7;
+  ReadProbe probe(size_t{1} << 30, threads);
+  std::printf("%d rounds per shape, each: the memory-read probe (%d threads streaming 1 GiB),\n"
+              "a multiply-add probe (%d threads of independent 16-lane FMAs), then each step; "
+              "medians of the rounds' ratios\n",
+              kRounds, threads, threads);
+  std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
+              "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
   for (const Shape& s : shapes) {
-    const DecodeFigures f32 = Decode(*engine, s, DType::kFloat32);
-    const double rate = f32.bytes_per_step / f32.step_seconds;
-    std::printf("%-24s %-9s %10.1f %10.2f %8.2fx %10s %7s\n", s.name, "FLOAT32",
-                f32.step_seconds * 1e6, rate / 1e9, rate / probe, peak_used(s, f32, 4).c_str(),
-                verdict(rate / probe >= kDecodeBandwidthRatio));
+    Decoder f32(s, DType::kFloat32), bf16(s, DType::kBFloat16);
+    // Per round: probe GB/s, FMA peak, and each step's seconds.
+    std::vector<double> bandwidth, peak, t_f32, t_bf16, t_fast;
+    std::vector<double> f32_vs_probe, bf16_vs_probe, fast_vs_probe, f32_peak, bf16_peak, bf16_up,
+        fast_up;
+    const double group = static_cast<double>(s.heads / s.kv_heads);
+    for (int r = 0; r < kRounds; ++r) {
+      bandwidth.push_back(probe.BytesPerSecond(1, 0.2));
+      peak.push_back(MultiplyAddPeak(threads, 1));
+      t_f32.push_back(f32.StepSeconds(*engine, false, 1));
+      t_bf16.push_back(bf16.StepSeconds(*engine, false, 1));
+      t_fast.push_back(bf16.StepSeconds(*engine, true, 1));
+      f32_vs_probe.push_back(f32.bytes_per_step() / t_f32.back() / bandwidth.back());
+      bf16_vs_probe.push_back(bf16.bytes_per_step() / t_bf16.back() / bandwidth.back());
+      fast_vs_probe.push_back(bf16.bytes_per_step() / t_fast.back() / bandwidth.back());
+      // A one-row step's multiply-adds per byte: group / element bytes.
+      f32_peak.push_back(f32.bytes_per_step() / t_f32.back() * group / 4 / peak.back());
+      bf16_peak.push_back(bf16.bytes_per_step() / t_bf16.back() * group / 2 / peak.back());
+      bf16_up.push_back(t_f32.back() / t_bf16.back());
+      fast_up.push_back(t_f32.back() / t_fast.back());
+    }
+    const double probe_gb = Median(bandwidth) / 1e9;
+    auto row = [&](const char* cache, const std::vector<double>& t, double bytes,
+                   const std::vector<double>& vs_probe, const char* fma, const char* verdict_text,
+                   const char* speed_up) {
+      std::printf("%-24s %-9s %9.1f %9.2f %10.2f %8.2fx %10s %7s %s\n", s.name, cache,
+                  Median(t) * 1e6, probe_gb, bytes / Median(t) / 1e9, Median(vs_probe), fma,
+                  verdict_text, speed_up);
+    };
+    auto text = [](const char* format, double x) {
+      char out[32];
+      std::snprintf(out, sizeof out, format, x);
+      return std::string(out);
+    };
+    const bool have_peak = Median(peak) > 0;
+    row("FLOAT32", t_f32, f32.bytes_per_step(), f32_vs_probe,
+        have_peak ? text("%.2fx", Median(f32_peak)).c_str() : "",
+        verdict(Median(f32_vs_probe) >= kDecodeBandwidthRatio), "");
     // BFLOAT16 with float32 math (precision EXACT), and with bf16 dot
     // products (precision FAST): the target is the speed a caller who picks
     // the smaller cache for speed gets, FAST; EXACT is shown beside it.
-    for (bool fast : {false, true}) {
-      const DecodeFigures bf16 = Decode(*engine, s, DType::kBFloat16, fast);
-      const double speed_up = f32.step_seconds / bf16.step_seconds;
-      std::printf("%-24s %-9s %10.1f %10.2f %8.2fx %10s %7s  (steps/s vs FLOAT32: %.2fx)\n", s.name,
-                  fast ? "BF16 FAST" : "BF16", bf16.step_seconds * 1e6,
-                  bf16.bytes_per_step / bf16.step_seconds / 1e9,
-                  bf16.bytes_per_step / bf16.step_seconds / probe,
-                  fast ? "" : peak_used(s, bf16, 2).c_str(),
-                  fast ? verdict(speed_up >= kBFloat16SpeedUp) : "", speed_up);
-    }
+    row("BF16", t_bf16, bf16.bytes_per_step(), bf16_vs_probe,
+        have_peak ? text("%.2fx", Median(bf16_peak)).c_str() : "", "",
+        text("%.2fx", Median(bf16_up)).c_str());
+    row("BF16 FAST", t_fast, bf16.bytes_per_step(), fast_vs_probe, "",
+        verdict(Median(fast_up) >= kBFloat16SpeedUp), text("%.2fx", Median(fast_up)).c_str());
   }
   const int64_t prefill = quick ? 1024 : 4096;
-  const auto [session, stateless] = Prefill(*engine, 8, prefill, 64);
+  const PrefillFigures p = Prefill(*engine, 8, prefill, 64, kRounds);
   std::printf("\nprefill H8 P=%lld D64 causal: session %.1f ms, stateless %.1f ms: %.2fx %s\n",
-              static_cast<long long>(prefill), session * 1e3, stateless * 1e3, session / stateless,
-              verdict(session / stateless <= kPrefillRatio));
+              static_cast<long long>(prefill), p.session * 1e3, p.stateless * 1e3, p.ratio,
+              verdict(p.ratio <= kPrefillRatio));
   return enforce && !ok ? 1 : 0;
 }
 

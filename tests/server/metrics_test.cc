@@ -224,6 +224,25 @@ TEST(MetricsTest, PooledBytesShowFreedEngineOutputBlocks) {
               Optional(static_cast<double>(after)));
 }
 
+// Closed sessions' cache blocks are pooled for new sessions, and the gauge
+// shows them; a new block of that size comes from the pool.
+TEST(MetricsTest, SessionPooledBytesShowFreedCacheBlocks) {
+  constexpr size_t kBytes = 40000;
+  void* block = AllocateSessionBlock(kBytes);
+  ASSERT_NE(block, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(block) % 64, 0u);
+  const size_t before = PooledSessionBlockBytes();
+  FreeSessionBlock(block);
+  const size_t after = PooledSessionBlockBytes();
+  EXPECT_EQ(after - before, kBytes);
+  Metrics metrics;
+  EXPECT_THAT(Parse(metrics.RenderPrometheus()).Value("attention_session_pooled_bytes"),
+              Optional(static_cast<double>(after)));
+  void* again = AllocateSessionBlock(kBytes);
+  EXPECT_EQ(PooledSessionBlockBytes(), before);
+  FreeSessionBlock(again);
+}
+
 TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
   Metrics metrics;
   const Exposition exposition = Parse(metrics.RenderPrometheus());
@@ -241,6 +260,7 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
                                   {"attention_interrupted_total", "counter"},
                                   {"attention_sessions_open", "gauge"},
                                   {"attention_session_cache_bytes", "gauge"},
+                                  {"attention_session_pooled_bytes", "gauge"},
                                   {"attention_sessions_ended_total", "counter"},
                                   {"attention_session_rows_appended_total", "counter"},
                                   {"attention_queue_limit", "gauge"},
