@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from attention_client import _heap
 from attention_client._errors import AttentionError, code_of, invalid
 from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2
 
@@ -223,7 +224,9 @@ def encode(head, tensors):
         pieces.append(_tensor_header(path, tensor.dtype, tensor.shape, array.nbytes))
         if array.nbytes:
             pieces.append(array)  # C-contiguous: joined straight from its memory
-    return b"".join(pieces)
+    raw = b"".join(pieces)
+    _heap.keep(len(raw))
+    return raw
 
 
 def _fields(buf, start, end):
