@@ -5,7 +5,10 @@
 1. Overhead: calls/s of Client.attend (numpy, and torch) for B1 H8 L=S=128
    D64, against a raw grpcio call sending the same request pre-serialized
    (bytes in, bytes out, nothing encoded or decoded). Rounds alternate, so
-   drift hits every variant alike. Target: client >= 0.8x raw.
+   drift hits every variant alike. Target: client >= 0.8x raw. Beside each,
+   the process's minor page faults per call: glibc returning the heap's top
+   to the kernel after a call, and faulting it back in on the next, shows
+   there (docs/benchmarks.md, "Python client").
 2. Copies: what one call with a 24 MiB request allocates at its peak, in
    units of the request's bytes, two ways: tracemalloc (Python objects and
    numpy buffers: the copies made in Python; grpcio's C core and protobuf's
@@ -14,12 +17,19 @@
    grpcio's own included). Beside it, protobuf's own encoding
    (Tensor.data = array.tobytes(), SerializeToString) through the raw call.
    Target: at most one copy in Python beyond grpcio's own.
+3. Heap: Client.attend alone in a loop in a fresh process (as a program
+   that only calls the service runs it), then the raw call: calls/s and
+   minor page faults per call, with glibc's malloc defaults (the client
+   raises its thresholds once) and with GLIBC_TUNABLES setting them instead
+   (docs/python.md, "Performance").
 
     .venv/bin/python tests/bench/python_client_bench.py --server build/attention_server
     # or: PYTHONPATH=build/python /usr/bin/python3 tests/bench/python_client_bench.py ...
 """
 import argparse
 import os
+import resource
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -34,6 +44,9 @@ from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2  # no
 from server_fixture import Server  # noqa: E402
 
 MiB = 1 << 20
+# Fixed malloc thresholds under which the heap keeps what a call frees
+# (docs/python.md, "Performance"); the client then leaves them be.
+GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=16777216"
 
 
 def protobuf_request(q, k, v):
@@ -50,12 +63,19 @@ def _status_kib(field):
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def _minor_faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def rate(call, seconds):
+    """(calls/s, minor page faults per call) of call() repeated for `seconds`."""
+    faults = _minor_faults()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         call()
         n += 1
-    return n / (time.perf_counter() - start)
+    calls_per_second = n / (time.perf_counter() - start)
+    return calls_per_second, (_minor_faults() - faults) / n
 
 
 def overhead(target, seconds, rounds):
@@ -78,15 +98,19 @@ def overhead(target, seconds, rounds):
     for call in variants.values():  # warm up
         rate(call, 0.3)
     results = {name: [] for name in variants}
+    faults = {name: [] for name in variants}
     for _ in range(rounds):
         for name, call in variants.items():
-            results[name].append(rate(call, seconds))
+            calls_per_second, faults_per_call = rate(call, seconds)
+            results[name].append(calls_per_second)
+            faults[name].append(faults_per_call)
     raw = np.median(results["raw grpcio, pre-serialized bytes"])
     print(f"overhead: B1 H8 L=S=128 D64 float32 ({len(request) / MiB:.2f} MiB request), "
-          f"{rounds} rounds of {seconds} s, median calls/s")
+          f"{rounds} rounds of {seconds} s, median calls/s and minor page faults per call")
     for name, rates in results.items():
         med = np.median(rates)
         print(f"  {name:36s} {med:8.1f} calls/s  {med / raw:5.2f}x raw  "
+              f"{np.median(faults[name]):6.1f} faults/call  "
               f"(rounds: {', '.join(f'{r:.0f}' for r in rates)})")
     # The client's own work per call, apart from the call: encoding the
     # request and decoding an answer.
@@ -102,6 +126,40 @@ def overhead(target, seconds, rounds):
         print(f"  client {label} alone: {(time.perf_counter() - start) / n * 1e6:.0f} us per call")
     client.close()
     raw_channel.close()
+
+
+def loop(target, seconds, rounds):
+    """Part 3's child: Client.attend alone, then the raw call (which needs no
+    heap of ours); prints each one's median calls/s and faults per call."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 128, 64)).astype(np.float32) for _ in range(3))
+    with attention_client.Client(target) as client:
+        measured = [rate(lambda: client.attend(q, k, v), seconds) for _ in range(rounds)]
+    with grpc.insecure_channel(target) as raw_channel:
+        raw_attend = raw_channel.unary_unary("/attention.v1.AttentionService/Attend")
+        request = protobuf_request(q, k, v).SerializeToString()
+        raw = [rate(lambda: raw_attend(request, timeout=30), seconds) for _ in range(rounds)]
+    print(*(np.median(x) for x in zip(*measured)), *(np.median(x) for x in zip(*raw)))
+
+
+def heap(target, seconds, rounds):
+    print(f"heap: Client.attend numpy alone in a fresh process, then the raw call, {rounds} "
+          f"rounds of {seconds} s each, median calls/s and minor page faults per call")
+    for label, tunables in (("glibc's malloc defaults (and the client's 8 MiB block)", None),
+                            (f"GLIBC_TUNABLES={GLIBC_TUNABLES}", GLIBC_TUNABLES)):
+        env = {name: value for name, value in os.environ.items()
+               if name != "GLIBC_TUNABLES" and not name.startswith("MALLOC_")}
+        if tunables:
+            env["GLIBC_TUNABLES"] = tunables
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--loop", target,
+                              "--seconds", str(seconds), "--rounds", str(rounds)],
+                             env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+        client, client_faults, raw, raw_faults = (float(x) for x in out.split())
+        print(f"  {label}")
+        print(f"    {'Client.attend numpy':34s} {client:8.1f} calls/s  {client / raw:5.2f}x raw  "
+              f"{client_faults:6.1f} faults/call")
+        print(f"    {'raw grpcio, pre-serialized bytes':34s} {raw:8.1f} calls/s  {'':9s}  "
+              f"{raw_faults:6.1f} faults/call")
 
 
 def copies(target):
@@ -154,7 +212,11 @@ def main():
     p.add_argument("--server", default="build/attention_server", help="attention_server binary")
     p.add_argument("--seconds", type=float, default=2.0, help="per round and variant")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--loop", metavar="TARGET", help=argparse.SUPPRESS)  # part 3's child
     a = p.parse_args()
+    if a.loop:
+        loop(a.loop, a.seconds, a.rounds)
+        return
     os.environ["ATTENTION_SERVER"] = a.server
     server = Server()
     try:
@@ -162,6 +224,7 @@ def main():
             server.wait_serving(c)
         overhead(server.target, a.seconds, a.rounds)
         copies(server.target)
+        heap(server.target, a.seconds, min(a.rounds, 3))
     finally:
         server.stop()
 

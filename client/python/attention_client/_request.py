@@ -60,22 +60,32 @@ def dtype_enum(field, value):
 def build(query, key, value, fields, session=None):
     """(the request's bytes, the Kind its answer comes back as). `fields` are
     attend()'s keyword arguments; `session` a SessionSpec or None."""
-    unknown = set(fields) - FIELDS
-    if unknown:
+    if fields and not FIELDS.issuperset(fields):
+        unknown = set(fields) - FIELDS
         raise invalid(f"unknown field(s) {', '.join(sorted(unknown))}; the fields are "
                       f"{', '.join(sorted(FIELDS))}")
     if query is None:
         raise invalid("query: missing")
+    tensors = [(TENSOR_PATHS["query"], _wire.to_wire("query", query))]
+    if key is not None:
+        tensors.append((TENSOR_PATHS["key"], _wire.to_wire("key", key)))
+    if value is not None:
+        tensors.append((TENSOR_PATHS["value"], _wire.to_wire("value", value)))
+    # Without fields or a session, every field but the tensors has its default:
+    # nothing to serialize.
+    head = _head(fields, session, tensors) if fields or session is not None else b""
+    return _wire.encode(head, tensors), _wire.kind_of(query)
+
+
+def _head(fields, session, tensors):
+    """The bytes of the request's fields but its tensors; the tensor fields
+    among `fields` are appended to `tensors`."""
     request = AttendRequest()
-    tensors = []
 
     def tensor(name, x):
         if x is not None:
             tensors.append((TENSOR_PATHS[name], _wire.to_wire(name, x)))
 
-    tensor("query", query)
-    tensor("key", key)
-    tensor("value", value)
     get = fields.get
     if get("id") is not None:
         request.id = str(get("id"))
@@ -107,7 +117,7 @@ def build(query, key, value, fields, session=None):
         request.seed = int(get("seed"))
     if session is not None:
         request.session.CopyFrom(session)
-    return _wire.encode(request, tensors), _wire.kind_of(query)
+    return request.SerializeToString()
 
 
 def build_stream_item(index, item, fields, kinds):

@@ -1,7 +1,9 @@
 """attention_client.Client against a real server: info, bfloat16 and float16
-round trips, errors, deadlines, streams, sessions, TLS and bearer tokens."""
+round trips, the heap of a program that only calls, errors, deadlines, streams,
+sessions, TLS and bearer tokens."""
 import os
 import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -10,7 +12,7 @@ import numpy as np
 import torch
 
 import attention_client
-from attention_client import AttentionError
+from attention_client import AttentionError, _heap
 from reference import attention
 from server_fixture import Server
 
@@ -82,6 +84,36 @@ class DTypeTest(unittest.TestCase):
         out = client.attend(q).output
         out += 1  # writable: owns its memory
         self.assertEqual(out.device, q.device)
+
+
+# A program that does nothing but call: 0.75 MiB requests (the benchmark's),
+# minor page faults per call.
+_CALLING_PROGRAM = """
+import resource, sys
+import numpy as np
+import attention_client
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 8, 128, 64)).astype(np.float32) for _ in range(3))
+with attention_client.Client(sys.argv[1]) as client:
+    for _ in range(20):
+        client.attend(q, k, v)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(100):
+        client.attend(q, k, v)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 100)
+"""
+
+
+class HeapTest(unittest.TestCase):
+    @unittest.skipUnless(_heap._glibc(), "glibc's malloc")
+    def test_calls_of_a_mib_do_not_fault_their_heap_back_in(self):
+        # glibc's defaults would return the heap's top to the kernel after each
+        # call, and the next would fault 80-170 pages back in (_heap.py).
+        env = {k: v for k, v in os.environ.items()
+               if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+        out = subprocess.run([sys.executable, "-c", _CALLING_PROGRAM, server.target], env=env,
+                             check=True, stdout=subprocess.PIPE, text=True).stdout
+        self.assertLess(float(out), 10)
 
 
 class ErrorTest(unittest.TestCase):

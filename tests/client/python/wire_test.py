@@ -1,11 +1,13 @@
 """The hand-appended tensors of a request parse, with protobuf, as the
-request a protobuf-built one would be; bfloat16 bits travel unchanged."""
+request a protobuf-built one would be; bfloat16 bits travel unchanged; an
+answer's hand-read fields are what protobuf reads."""
 import unittest
 
+import grpc
 import numpy as np
 import torch
 
-from attention_client import _request
+from attention_client import AttentionError, _request, _wire
 from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2
 
 Tensor = tensor_pb2.Tensor
@@ -55,6 +57,75 @@ class WireTest(unittest.TestCase):
         q = attention_pb2.AttendRequest.FromString(_request.build(x, None, None, {})[0]).query
         self.assertEqual(q.data, x.contiguous().numpy().tobytes())
 
+    def test_tensors_that_require_grad_are_sent(self):
+        x = torch.randn(2, 3, requires_grad=True)
+        y = x * 2  # not a leaf
+        for t in (x, y):
+            q = attention_pb2.AttendRequest.FromString(_request.build(t, None, None, {})[0]).query
+            self.assertEqual(q.data, t.detach().numpy().tobytes())
+
+    def test_float64_and_other_byte_orders_are_sent_as_wire_dtypes(self):
+        for x, dtype, data in [
+            (np.array([1.5, -2.0]), Tensor.FLOAT32, np.array([1.5, -2.0], "<f4").tobytes()),
+            (np.array([1.5, -2.0], ">f4"), Tensor.FLOAT32, np.array([1.5, -2.0], "<f4").tobytes()),
+            (np.array([7, -1], ">i8"), Tensor.INT64, np.array([7, -1], "<i8").tobytes()),
+            (np.array([0.5], ">f2"), Tensor.FLOAT16, np.array([0.5], "<f2").tobytes()),
+        ]:
+            with self.subTest(dtype=str(x.dtype)):
+                q = attention_pb2.AttendRequest.FromString(_request.build(x, None, None, {})[0]).query
+                self.assertEqual((q.dtype, list(q.shape), q.data), (dtype, list(x.shape), data))
+
+    def test_requests_of_one_shape_differ_only_in_their_elements(self):
+        # A tensor's header is made once per field, dtype and shape.
+        for i in range(3):
+            q = np.full((2, 3, 4), i, np.float32)
+            k = np.full((2, 5, 4), -i, np.float32)
+            raw, _ = _request.build(q, k, None, {"num_heads": 1} if i == 2 else {})
+            expected = attention_pb2.AttendRequest(
+                query=Tensor(shape=q.shape, data=q.tobytes()),
+                key=Tensor(shape=k.shape, data=k.tobytes()), num_heads=1 if i == 2 else 0)
+            self.assertEqual(attention_pb2.AttendRequest.FromString(raw), expected)
+
+    def test_an_answer_reads_every_field_as_protobuf_does(self):
+        out = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+        weights = np.array([[[0.25, 0.75]]], np.float16)
+        response = attention_pb2.AttendResponse(
+            id="r-\u00e9", output=Tensor(shape=out.shape, data=out.tobytes()),
+            weights=Tensor(dtype=Tensor.FLOAT16, shape=weights.shape, data=weights.tobytes()),
+            queue_us=-3, compute_us=1 << 40, batch_size=-2, session_positions=[5, 9])
+        answer = _wire.decode(response.SerializeToString(), _wire.NUMPY)
+        self.assertEqual((answer.id, answer.queue_us, answer.compute_us, answer.batch_size),
+                         ("r-\u00e9", -3, 1 << 40, -2))
+        self.assertEqual(answer.session_positions, [5, 9])
+        self.assertIsNone(answer.error)
+        np.testing.assert_array_equal(answer.output, out)
+        np.testing.assert_array_equal(answer.weights, weights)
+        self.assertEqual(answer.weights.dtype, np.float16)
+        self.assertTrue(answer.output.flags.writeable and answer.output.flags.owndata)
+
+        response.status.code, response.status.message = 5, "gone"
+        answer = _wire.decode(response.SerializeToString(), _wire.NUMPY)
+        self.assertEqual((answer.error.code(), answer.error.details()),
+                         (grpc.StatusCode.NOT_FOUND, "gone"))
+        self.assertIsNone(answer.output)
+
+    def test_a_malformed_answer_is_internal(self):
+        def answer(**fields):
+            return attention_pb2.AttendResponse(**fields).SerializeToString()
+        good = answer(output=Tensor(shape=[3], data=b"\0" * 12))
+        for name, raw in [
+            ("truncated", good[:-1]),
+            ("partial element", answer(output=Tensor(shape=[3], data=b"\0" * 11))),
+            ("elements not the shape's", answer(output=Tensor(shape=[4], data=b"\0" * 12))),
+            ("unknown dtype", answer(output=Tensor(dtype=9, shape=[3], data=b"\0" * 12))),
+            ("id not UTF-8", b"\x0a\x02\xff\xfe"),
+            ("truncated status", b"\x22\x02\x08"),
+        ]:
+            with self.subTest(name):
+                with self.assertRaises(AttentionError) as e:
+                    _wire.decode(raw, _wire.NUMPY)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.INTERNAL)
+        np.testing.assert_array_equal(_wire.decode(good, _wire.NUMPY).output, np.zeros(3))
 
 if __name__ == "__main__":
     unittest.main()
