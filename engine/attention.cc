@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -68,9 +69,11 @@ int64_t NowNs() {
 }
 
 // Blocks of at least `min_pooled` bytes, kept by size when freed (up to
-// `cap` bytes in all), each with when it was freed. Every block starts with
-// a 64-byte header holding its size, and blocks are 64-byte aligned, so the
-// memory handed out is too.
+// `cap` bytes in all), each with when it was freed. Memory comes from
+// malloc (so tests that replace malloc see every block), 64 to 127 bytes
+// more than asked: what is handed out starts at the first 64-byte boundary
+// at least 64 bytes in, and the 16 bytes before it hold the block's size
+// and where malloc's memory starts.
 class MemoryPool {
  public:
   MemoryPool(size_t min_pooled, size_t cap) : min_pooled_(min_pooled), cap_(cap) {}
@@ -85,27 +88,28 @@ class MemoryPool {
         // Of that size, the block freed last: the others can then go unused
         // long enough to be freed, rather than all taking turns for good.
         it = std::prev(free_blocks_.upper_bound(it->first));
-        void* p = it->second.p;  // its header still holds its real size
+        void* user = it->second.user;  // its header still holds its real size
         free_bytes_ -= it->first;
         free_blocks_.erase(it);
-        return static_cast<char*>(p) + 64;
+        return user;
       }
     }
-    void* p = std::aligned_alloc(64, (bytes + 64 + 63) / 64 * 64);
+    void* p = std::malloc(bytes + 128);
     if (p == nullptr) return nullptr;
-    *static_cast<size_t*>(p) = bytes;
-    return static_cast<char*>(p) + 64;
+    const uintptr_t user = (reinterpret_cast<uintptr_t>(p) + 64 + 63) / 64 * 64;
+    reinterpret_cast<void**>(user)[-2] = p;
+    reinterpret_cast<size_t*>(user)[-1] = bytes;
+    return reinterpret_cast<void*>(user);
   }
 
   void Free(void* user) {
     if (user == nullptr) return;
-    void* p = static_cast<char*>(user) - 64;
-    const size_t size = *static_cast<size_t*>(p);
+    const size_t size = static_cast<size_t*>(user)[-1];
     if (size >= min_pooled_) {
       absl::MutexLock lock(&mu_);
       if (free_bytes_ + size <= cap_) {
         const int64_t now = NowNs();
-        free_blocks_.emplace(size, Block{p, now});
+        free_blocks_.emplace(size, Block{user, now});
         free_bytes_ += size;
         if (now < oldest_freed_ns_.load(std::memory_order_relaxed)) {
           oldest_freed_ns_.store(now, std::memory_order_relaxed);
@@ -113,7 +117,7 @@ class MemoryPool {
         return;
       }
     }
-    std::free(p);
+    std::free(static_cast<void**>(user)[-2]);
   }
 
   size_t pooled_bytes() {
@@ -127,7 +131,7 @@ class MemoryPool {
 
  private:
   struct Block {
-    void* p;
+    void* user;
     int64_t freed_ns;
   };
 
@@ -143,7 +147,7 @@ class MemoryPool {
       int64_t still_oldest = kNever;
       for (auto it = free_blocks_.begin(); it != free_blocks_.end();) {
         if (now - it->second.freed_ns >= limit) {
-          stale.push_back(it->second.p);
+          stale.push_back(static_cast<void**>(it->second.user)[-2]);
           free_bytes_ -= it->first;
           it = free_blocks_.erase(it);
         } else {
