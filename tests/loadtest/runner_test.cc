@@ -207,12 +207,21 @@ TEST_P(RunnerTransportTest, CallsPastTheirTimeoutAreDeadlineExceeded) {
   options.max_requests = 4;
   const LoadStats stats = RunOk(options, SmallRequest("hang")).stats;
   EXPECT_EQ(stats.calls_by_code[4], 4) << stats.first_error;  // DEADLINE_EXCEEDED
-  EXPECT_GE(stats.latency.min(), 300'000'000);
   if (GetParam() == Transport::kH2) {
+    EXPECT_GE(stats.latency.min(), 300'000'000);
     // The client's own deadline, not the server's answer to grpc-timeout
     // (16 ms later): h2 once dropped every deadline of a call whose HEADERS
     // were not yet out when it was checked.
     EXPECT_THAT(stats.first_error, HasSubstr("no answer within --timeout"));
+  } else {
+    // gRPC's client sends its deadline as grpc-timeout, and the server's gRPC
+    // ends the call with DEADLINE_EXCEEDED when that much has passed by a
+    // clock it reads once per batch of work, so on a loaded machine the
+    // server's answer can come first, a little early by the client's clock
+    // (297.7 ms for 300 once, in a full ctest -j2). The runner times a call
+    // from before it sets the deadline, so the client's deadline alone
+    // never measures under 300 ms.
+    EXPECT_GE(stats.latency.min(), 280'000'000);
   }
 }
 
