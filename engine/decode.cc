@@ -7,6 +7,12 @@
 #define ATTN_DECODE_AVX512 1
 #define ATTN_AVX512 __attribute__((target("avx512f")))
 #define ATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
+// Before each loop over a kernel's query rows, key registers or value
+// chunks (compile-time counts): unrolled whole, the sums they index stay in
+// registers at every optimisation level. Left to -O2, GCC kept them on the
+// stack, a load and a store around every multiply-add: a grouped-query step
+// ran at 0.6x of the unrolled one.
+#define ATTN_UNROLL _Pragma("GCC unroll 16")
 #endif
 
 #include <algorithm>
@@ -131,17 +137,24 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
   return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// Starts bringing `bytes` at p (whole cache lines) into L1 while the thread
-// computes: the next block's part, a slice at a time.
+// Starts bringing `bytes` at p (whole cache lines) in while the thread
+// computes: the next block's part, a slice at a time (without it, steps
+// read 15-30% less of the memory probe's bandwidth). Non-temporal: a step
+// reads each cached row once, so its lines need not displace what the
+// server's other work keeps in L2 and L3; T0 and T1 measured the same
+// within noise.
 ATTN_AVX512 inline void Prefetch(const char* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  ATTN_UNROLL
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_NTA);
 }
 
 // s[r * kBlockRows + 16 t + i] = scale * acc[r][t] lane i.
 template <int kRows>
 ATTN_AVX512 inline void StoreScores(const __m512 (&acc)[kRows][4], float scale, float* s) {
   const __m512 sv = _mm512_set1_ps(scale);
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
     for (int t = 0; t < 4; ++t) {
       _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
     }
@@ -151,19 +164,22 @@ ATTN_AVX512 inline void StoreScores(const __m512 (&acc)[kRows][4], float scale, 
 // Scores of kRows rows against the block's 64 keys, in four registers of 16
 // keys each. Whole blocks are computed (the rows past n are zeros); n only
 // bounds what the caller reads.
-template <int kRows>
+template <int kRows, bool kPrefetch>
 ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64_t d, float scale,
                                      float* s, const char* next_k) {
   constexpr int64_t kRowBytes = kBlockRows * 4;  // one key element, every key
   const char* base = static_cast<const char*>(kt);
   __m512 acc[kRows][4];
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
     for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
   }
   for (int64_t e = 0; e < d; ++e) {
     const float* row = reinterpret_cast<const float*>(base + e * kRowBytes);
     const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16),
                  k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+    ATTN_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const __m512 qe = _mm512_set1_ps(static_cast<const float*>(q[r])[e]);
       acc[r][0] = _mm512_fmadd_ps(k0, qe, acc[r][0]);
@@ -171,49 +187,55 @@ ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64
       acc[r][2] = _mm512_fmadd_ps(k2, qe, acc[r][2]);
       acc[r][3] = _mm512_fmadd_ps(k3, qe, acc[r][3]);
     }
-    if (next_k != nullptr) Prefetch(next_k + e * kRowBytes, kRowBytes);
+    if constexpr (kPrefetch) Prefetch(next_k + e * kRowBytes, kRowBytes);
   }
   StoreScores<kRows>(acc, scale, s);
 }
 
 // The same over a BFLOAT16 cache, float32 math: each pair of key elements
 // (e, e + 1) of 16 keys is one register, widened by a shift and a mask.
-template <int kRows>
+template <int kRows, bool kPrefetch>
 ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int64_t d, float scale,
                                       float* s, const char* next_k) {
   constexpr int64_t kPairBytes = kBlockRows * 4;  // two key elements, every key
   const char* base = static_cast<const char*>(kt);
   __m512 acc[kRows][4];
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
     for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
   }
   const int64_t pairs = (d + 1) / 2;
   for (int64_t i = 0; i < pairs; ++i) {
     const char* row = base + i * kPairBytes;
     const bool second = 2 * i + 1 < d;  // the last pair of an odd d has one element
+    ATTN_UNROLL
     for (int t = 0; t < 4; ++t) {
       const __m512i x = _mm512_loadu_si512(row + 64 * t);
       const __m512 first_k = FirstOfPairs(x), second_k = SecondOfPairs(x);
+      ATTN_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const float* qr = static_cast<const float*>(q[r]);
         acc[r][t] = _mm512_fmadd_ps(first_k, _mm512_set1_ps(qr[2 * i]), acc[r][t]);
         if (second) acc[r][t] = _mm512_fmadd_ps(second_k, _mm512_set1_ps(qr[2 * i + 1]), acc[r][t]);
       }
     }
-    if (next_k != nullptr) Prefetch(next_k + i * kPairBytes, kPairBytes);
+    if constexpr (kPrefetch) Prefetch(next_k + i * kPairBytes, kPairBytes);
   }
   StoreScores<kRows>(acc, scale, s);
 }
 
 // The same with bf16 dot products: q[r] is bfloat16 pairs, one 32-bit word
 // per pair of key elements, multiplied with the cache's pairs as they are.
-template <int kRows>
+template <int kRows, bool kPrefetch>
 ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* kt, int64_t d,
                                               float scale, float* s, const char* next_k) {
   constexpr int64_t kPairBytes = kBlockRows * 4;
   const char* base = static_cast<const char*>(kt);
   __m512 acc[kRows][4];
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
     for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
   }
   const int64_t pairs = (d + 1) / 2;
@@ -221,6 +243,7 @@ ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* 
     const char* row = base + i * kPairBytes;
     const __m512i k0 = _mm512_loadu_si512(row), k1 = _mm512_loadu_si512(row + 64),
                   k2 = _mm512_loadu_si512(row + 128), k3 = _mm512_loadu_si512(row + 192);
+    ATTN_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const __m512bh qi = reinterpret_cast<__m512bh>(
           _mm512_set1_epi32(static_cast<const int32_t*>(q[r])[i]));
@@ -229,20 +252,32 @@ ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* 
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], reinterpret_cast<__m512bh>(k2), qi);
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], reinterpret_cast<__m512bh>(k3), qi);
     }
-    if (next_k != nullptr) Prefetch(next_k + i * kPairBytes, kPairBytes);
+    if constexpr (kPrefetch) Prefetch(next_k + i * kPairBytes, kPairBytes);
   }
   StoreScores<kRows>(acc, scale, s);
 }
 
+template <Math kMath, int kRows, bool kPrefetch>
+void Avx512ScoresWith(const void* const* q, const void* kt, int64_t d, float scale, float* s,
+                      const char* next_k) {
+  if constexpr (kMath == Math::kFloat32) {
+    Avx512ScoresFloat32<kRows, kPrefetch>(q, kt, d, scale, s, next_k);
+  } else if constexpr (kMath == Math::kBFloat16) {
+    Avx512ScoresBFloat16<kRows, kPrefetch>(q, kt, d, scale, s, next_k);
+  } else {
+    Avx512ScoresBFloat16Dot<kRows, kPrefetch>(q, kt, d, scale, s, next_k);
+  }
+}
+
+// Prefetching or not is decided once per block, not tested per key element
+// in the loop (whose time then varied by a third with the code's layout).
 template <Math kMath, int kRows>
 void Avx512ScoresOf(const void* const* q, const void* kt, int64_t d, float scale, float* s,
                     const char* next_k) {
-  if constexpr (kMath == Math::kFloat32) {
-    Avx512ScoresFloat32<kRows>(q, kt, d, scale, s, next_k);
-  } else if constexpr (kMath == Math::kBFloat16) {
-    Avx512ScoresBFloat16<kRows>(q, kt, d, scale, s, next_k);
+  if (next_k != nullptr) {
+    Avx512ScoresWith<kMath, kRows, true>(q, kt, d, scale, s, next_k);
   } else {
-    Avx512ScoresBFloat16Dot<kRows>(q, kt, d, scale, s, next_k);
+    Avx512ScoresWith<kMath, kRows, false>(q, kt, d, scale, s, next_k);
   }
 }
 
@@ -313,6 +348,7 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
   __m512 x[4];
   __m512 block_max = neg_inf;
   __mmask16 nan = 0;
+  ATTN_UNROLL
   for (int t = 0; t < 4; ++t) {
     const int64_t count = std::clamp<int64_t>(visible - 16 * t, 0, 16);
     lanes[t] = static_cast<__mmask16>((uint32_t{1} << count) - 1);
@@ -324,12 +360,14 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
                               : MaxOf(block_max);
   const float m_new = std::isnan(seen) || seen > m ? seen : m;
   if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
+    ATTN_UNROLL
     for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + 16 * t, _mm512_setzero_ps());
     return 1.0f;
   }
   const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - m_new);
   const __m512 shift = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
+  ATTN_UNROLL
   for (int t = 0; t < 4; ++t) {
     const __m512 p = _mm512_maskz_mov_ps(lanes[t], Exp16(_mm512_sub_ps(x[t], shift)));
     sum = _mm512_add_ps(sum, p);
@@ -346,49 +384,60 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
 // 64 bytes at (j * d + 16 c) * 4; BFLOAT16: rows 2i and 2i + 1 share their
 // chunks, 64 bytes at (2 i * d + 32 c) * 2, the first row's elements widened
 // by a shift, the second's by a mask.
-template <int kRows, int kPass>
+template <int kRows, int kPass, bool kPrefetch>
 ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
                                          const float* correction, const void* v, int64_t n,
                                          int64_t d, int64_t c0, const char* next_v) {
   const int64_t row_bytes = d * 4;
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const __m512 c = _mm512_set1_ps(correction[r]);
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
   }
   for (int64_t j = 0; j < n; ++j) {
     const char* row = base + j * row_bytes;
     __m512 vj[kPass];
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) vj[k] = _mm512_loadu_ps(reinterpret_cast<const float*>(row + 64 * k));
+    ATTN_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * kBlockRows + j]);
+      ATTN_UNROLL
       for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
     }
-    if (next_v != nullptr) Prefetch(next_v + j * row_bytes, row_bytes);
+    if constexpr (kPrefetch) Prefetch(next_v + j * row_bytes, row_bytes);
   }
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
   }
 }
 
-template <int kRows, int kPass>
+template <int kRows, int kPass, bool kPrefetch>
 ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
                                           const float* correction, const void* v, int64_t n,
                                           int64_t d, int64_t c0, const char* next_v) {
   const int64_t pair_bytes = d * 4;  // two rows
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const __m512 c = _mm512_set1_ps(correction[r]);
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
   }
   for (int64_t j = 0; j < n; j += 2) {
     const char* pair = base + (j / 2) * pair_bytes;
     const bool second = j + 1 < n;
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) {
       const __m512i x = _mm512_loadu_si512(pair + 64 * k);
       const __m512 first_v = FirstOfPairs(x), second_v = SecondOfPairs(x);
+      ATTN_UNROLL
       for (int r = 0; r < kRows; ++r) {
         a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows + j]), first_v, a[r][k]);
         if (second) {
@@ -396,9 +445,11 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
         }
       }
     }
-    if (next_v != nullptr) Prefetch(next_v + (j / 2) * pair_bytes, pair_bytes);
+    if constexpr (kPrefetch) Prefetch(next_v + (j / 2) * pair_bytes, pair_bytes);
   }
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
   }
 }
@@ -406,7 +457,7 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
 // The BFLOAT16 form with bf16 dot products: each row's weights rounded to
 // bfloat16 pairs (p_2i, p_2i+1), one 32-bit word against the pair of value
 // rows. The pair past an odd n is a zero weight and a zero row.
-template <int kRows, int kPass>
+template <int kRows, int kPass, bool kPrefetch>
 ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* acc,
                                                   const float* correction, const void* v,
                                                   int64_t n, int64_t d, int64_t c0,
@@ -415,41 +466,59 @@ ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* 
   const char* base = static_cast<const char*>(v) + c0 * 64;
   alignas(64) int32_t weights[kRows][kBlockRows / 2];
   __m512 a[kRows][kPass];
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const float* pr = p + r * kBlockRows;
+    ATTN_UNROLL
     for (int t = 0; t < kBlockRows / 32; ++t) {
       const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 32 * t + 16), _mm512_loadu_ps(pr + 32 * t));
       _mm512_store_si512(weights[r] + 16 * t, reinterpret_cast<__m512i>(w));
     }
     const __m512 c = _mm512_set1_ps(correction[r]);
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
   }
   for (int64_t i = 0; 2 * i < n; ++i) {
     const char* pair = base + i * pair_bytes;
     __m512i vi[kPass];
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) vi[k] = _mm512_loadu_si512(pair + 64 * k);
+    ATTN_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(weights[r][i]));
+      ATTN_UNROLL
       for (int k = 0; k < kPass; ++k) {
         a[r][k] = _mm512_dpbf16_ps(a[r][k], reinterpret_cast<__m512bh>(vi[k]), w);
       }
     }
-    if (next_v != nullptr) Prefetch(next_v + i * pair_bytes, pair_bytes);
+    if constexpr (kPrefetch) Prefetch(next_v + i * pair_bytes, pair_bytes);
   }
+  ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
     for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
+  }
+}
+
+template <Math kMath, int kRows, int kPass, bool kPrefetch>
+void Avx512AccumulateWith(const float* p, float* const* acc, const float* correction,
+                          const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v) {
+  if constexpr (kMath == Math::kFloat32) {
+    Avx512AccumulateFloat32<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v);
+  } else if constexpr (kMath == Math::kBFloat16) {
+    Avx512AccumulateBFloat16<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v);
+  } else {
+    Avx512AccumulateBFloat16Dot<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v);
   }
 }
 
 template <Math kMath, int kRows, int kPass>
 void Avx512AccumulatePass(const float* p, float* const* acc, const float* correction,
                           const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v) {
-  if constexpr (kMath == Math::kFloat32) {
-    Avx512AccumulateFloat32<kRows, kPass>(p, acc, correction, v, n, d, c0, next_v);
-  } else if constexpr (kMath == Math::kBFloat16) {
-    Avx512AccumulateBFloat16<kRows, kPass>(p, acc, correction, v, n, d, c0, next_v);
+  if (next_v != nullptr) {
+    Avx512AccumulateWith<kMath, kRows, kPass, true>(p, acc, correction, v, n, d, c0, next_v);
   } else {
-    Avx512AccumulateBFloat16Dot<kRows, kPass>(p, acc, correction, v, n, d, c0, next_v);
+    Avx512AccumulateWith<kMath, kRows, kPass, false>(p, acc, correction, v, n, d, c0, next_v);
   }
 }
 
