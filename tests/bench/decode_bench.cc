@@ -76,7 +76,8 @@ double TimePerCall(F f, int rounds, double min_seconds) {
 uint64_t SumWords(const uint64_t* p, size_t n) {
   uint64_t a[8] = {};
   for (size_t i = 0; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) a[j] += p[i + j];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] += p[i + j];  // unrolled: the sums stay in registers
   }
   return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
 }
@@ -115,24 +116,26 @@ class ReadProbe {
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// 16-lane FMAs on 12 independent chains (more than latency x throughput).
+// 16-lane FMAs on 12 independent chains (more than latency x throughput),
+// each in a register: every loop over the chains is unrolled whole, or -O2
+// keeps them in an array on the stack and the probe times stores.
 __attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
   __m512 a[12];
+#pragma GCC unroll 12
   for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
   const __m512 b = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(0.0001f);
   for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 12
     for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
-    // Keeps the chains in registers and the loop from being folded.
+    // Keeps the loop from being folded.
     asm volatile("" : "+v"(a[0]), "+v"(a[6]), "+v"(a[11]));
   }
+  __m512 sum = a[0];
+#pragma GCC unroll 12
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, a[i]);
   alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, a[0]);
-  float sum = lanes[0];
-  for (int i = 1; i < 12; ++i) {
-    _mm512_store_ps(lanes, a[i]);
-    sum += lanes[0];
-  }
-  return sum;
+  _mm512_store_ps(lanes, sum);
+  return lanes[0];
 }
 #endif
 
