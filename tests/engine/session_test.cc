@@ -364,7 +364,8 @@ TEST_P(SessionTest, GroupedQueryHeadsShareTheirKeyValueHead) {
 // The decode kernel's head dims (multiples of 16 are vectorised, the value
 // rows in passes of up to 8 chunks of 16: 80 and 256 take two), group sizes
 // (query heads per key/value head, 1 to 8: rows processed in fours, and
-// what remains) and storage types, with a cache split across threads.
+// what remains) and storage types, with a cache split across threads by
+// block ranges and by heads.
 TEST_P(SessionTest, DecodeKernelShapesMatch) {
   for (bool portable : {false, true}) {
     internal::UsePortableDecodeKernelsForTesting(portable);
@@ -373,7 +374,9 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
         for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
           SCOPED_TRACE(absl::StrCat(portable ? "portable " : "", "D", dim, " group ", group, " ",
                                     DTypeName(dtype)));
-          const int64_t kv_heads = 2, keys = 600;  // 10 blocks: split in two
+          // 10 blocks: where the cache is worth two threads, two ranges of
+          // blocks, each head on its own.
+          const int64_t kv_heads = 2, keys = 600;
           auto cache = NewCache(kv_heads, dim, dim, dtype);
           const Input k0 = Random({1, kv_heads, keys, dim}, 120), v0 = Random({1, kv_heads, keys, dim}, 121);
           // The rows go in directly: this test is about the step, and a
