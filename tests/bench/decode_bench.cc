@@ -11,9 +11,9 @@
 // key and head for (key_dim + value_dim) x element bytes read, so grouped
 // queries and BFLOAT16 raise the work per byte: where the memory target asks
 // for most of the peak, the kernel is bound by arithmetic, not memory.
-// Each figure is the median of 7 rounds, each of which times the probes and
-// every step of a shape one after another (so a ratio compares times taken
-// moments apart on the shared machine). Prints a table and
+// Each figure is the median of 7 rounds, each of which calls the probes and
+// every step of a shape in turn, round and round (so a ratio compares times
+// taken over the same second on the shared machine). Prints a table and
 // "PASS" / "MISS" per target; with --enforce exits 1 on a miss. Timed, so
 // not a unit test: `bash deploy/bench.sh decode` runs it.
 //
@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -71,6 +72,26 @@ double TimePerCall(F f, int rounds, double min_seconds) {
   return Median(per_call);
 }
 
+// Seconds per call of each of `fns`, called in turn (one call each, round
+// and round) until every one has run for at least `min_seconds` in all: on
+// a shared machine, a neighbour's load then falls on all of them alike.
+std::vector<double> TimeInterleaved(const std::vector<std::function<void()>>& fns,
+                                    double min_seconds) {
+  for (const auto& f : fns) f();  // warm-up
+  std::vector<double> spent(fns.size(), 0.0);
+  std::vector<int> calls(fns.size(), 0);
+  while (*std::min_element(spent.begin(), spent.end()) < min_seconds) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const absl::Time start = absl::Now();
+      fns[i]();
+      spent[i] += absl::ToDoubleSeconds(absl::Now() - start);
+      ++calls[i];
+    }
+  }
+  for (size_t i = 0; i < fns.size(); ++i) spent[i] /= calls[i];
+  return spent;
+}
+
 // Sums 64-bit words with eight independent accumulators: integer adds of
 // one cycle each, so the loop waits on memory only.
 uint64_t SumWords(const uint64_t* p, size_t n) {
@@ -91,22 +112,17 @@ class ReadProbe {
     for (size_t i = 0; i < buffer_.size(); ++i) buffer_[i] = i;
   }
   size_t bytes() const { return buffer_.size() * sizeof(uint64_t); }
-  // Bytes per second over `rounds` rounds of at least `min_seconds`.
-  double BytesPerSecond(int rounds, double min_seconds) {
+  // Reads the whole buffer once.
+  void Pass() {
     const size_t n = buffer_.size();
-    const double seconds = TimePerCall(
-        [&] {
-          uint64_t total = 0;
+    uint64_t total = 0;
 #pragma omp parallel num_threads(threads_) reduction(+ : total)
-          {
-            const size_t share = n / static_cast<size_t>(omp_get_num_threads()) / 8 * 8;
-            const size_t first = share * static_cast<size_t>(omp_get_thread_num());
-            total += SumWords(buffer_.data() + first, share);
-          }
-          sink_ = sink_ + total;
-        },
-        rounds, min_seconds);
-    return static_cast<double>(bytes()) / seconds;
+    {
+      const size_t share = n / static_cast<size_t>(omp_get_num_threads()) / 8 * 8;
+      const size_t first = share * static_cast<size_t>(omp_get_thread_num());
+      total += SumWords(buffer_.data() + first, share);
+    }
+    sink_ = sink_ + total;
   }
 
  private:
@@ -139,27 +155,35 @@ __attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
 }
 #endif
 
-// Float multiply-adds per second on `threads` threads at once (the median
-// of `rounds` rounds), or 0 where the probe has no kernel (no AVX-512).
-double MultiplyAddPeak(int threads, int rounds) {
+// Float multiply-adds on `threads` threads at once, a few milliseconds'
+// worth per Pass; available() is false where the probe has no kernel (no
+// AVX-512).
+class MultiplyAddProbe {
+ public:
+  explicit MultiplyAddProbe(int threads) : threads_(threads) {}
+  bool available() const {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (!__builtin_cpu_supports("avx512f")) return 0;
-  constexpr int64_t kIterations = 4'000'000;
-  volatile float sink = 0;
-  const double seconds = TimePerCall(
-      [&] {
-        float total = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-        total += FmaLoop(kIterations);
-        sink = sink + total;
-      },
-      rounds, 0.2);
-  return static_cast<double>(threads) * kIterations * 12 * 16 / seconds;
+    return __builtin_cpu_supports("avx512f");
 #else
-  (void)threads;
-  return 0;
+    return false;
 #endif
-}
+  }
+  double multiply_adds_per_pass() const { return static_cast<double>(threads_) * kIterations * 12 * 16; }
+  void Pass() {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (!available()) return;
+    float total = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : total)
+    total += FmaLoop(kIterations);
+    sink_ = sink_ + total;
+#endif
+  }
+
+ private:
+  static constexpr int64_t kIterations = 4'000'000;
+  const int threads_;
+  volatile float sink_ = 0;
+};
 
 std::vector<float> RandomFloats(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -212,21 +236,17 @@ class Decoder {
 
   double bytes_per_step() const { return bytes_per_step_; }
 
-  // Seconds per step (`fast`: precision FAST), over `rounds` rounds.
-  double StepSeconds(const Engine& engine, bool fast, int rounds) {
+  // One step (`fast`: precision FAST).
+  void Step(const Engine& engine, bool fast) {
     args_.fast = fast;
     EngineCall call{&args_, nullptr};
     call.session = &session_;
-    return TimePerCall(
-        [&] {
-          absl::StatusOr<AttentionResult> r = std::move(engine.AttendBatch({&call, 1}).front());
-          if (!r.ok()) {
-            std::fprintf(stderr, "decode step: %s\n", r.status().ToString().c_str());
-            std::exit(2);
-          }
-          for (KvCache* c : session_.caches) c->Rollback();
-        },
-        rounds, 0.2);
+    absl::StatusOr<AttentionResult> r = std::move(engine.AttendBatch({&call, 1}).front());
+    if (!r.ok()) {
+      std::fprintf(stderr, "decode step: %s\n", r.status().ToString().c_str());
+      std::exit(2);
+    }
+    for (KvCache* c : session_.caches) c->Rollback();
   }
 
  private:
@@ -298,13 +318,15 @@ int Main(int argc, char** argv) {
     return pass ? "PASS" : "MISS";
   };
   // The machine is shared: every figure is a ratio within one round (the
-  // probes, then the FLOAT32, BFLOAT16 and BFLOAT16 FAST steps, one after
-  // another), and the table gives the median over the rounds.
+  // probes and the FLOAT32, BFLOAT16 and BFLOAT16 FAST steps called in
+  // turn), and the table gives the median over the rounds.
   constexpr int kRounds = 7;
   ReadProbe probe(size_t{1} << 30, threads);
-  std::printf("%d rounds per shape, each: the memory-read probe (%d threads streaming 1 GiB),\n"
-              "a multiply-add probe (%d threads of independent 16-lane FMAs), then each step; "
-              "medians of the rounds' ratios\n",
+  MultiplyAddProbe fma(threads);
+  std::printf("%d rounds per shape, each calling in turn, for at least 0.2 s each: the "
+              "memory-read probe\n(%d threads streaming 1 GiB), a multiply-add probe (%d "
+              "threads of independent 16-lane FMAs)\nand each step; medians of the rounds' "
+              "ratios\n",
               kRounds, threads, threads);
   std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
@@ -316,11 +338,15 @@ int Main(int argc, char** argv) {
         fast_up;
     const double group = static_cast<double>(s.heads / s.kv_heads);
     for (int r = 0; r < kRounds; ++r) {
-      bandwidth.push_back(probe.BytesPerSecond(1, 0.2));
-      peak.push_back(MultiplyAddPeak(threads, 1));
-      t_f32.push_back(f32.StepSeconds(*engine, false, 1));
-      t_bf16.push_back(bf16.StepSeconds(*engine, false, 1));
-      t_fast.push_back(bf16.StepSeconds(*engine, true, 1));
+      const std::vector<double> t = TimeInterleaved(
+          {[&] { probe.Pass(); }, [&] { fma.Pass(); }, [&] { f32.Step(*engine, false); },
+           [&] { bf16.Step(*engine, false); }, [&] { bf16.Step(*engine, true); }},
+          0.2);
+      bandwidth.push_back(static_cast<double>(probe.bytes()) / t[0]);
+      peak.push_back(fma.available() ? fma.multiply_adds_per_pass() / t[1] : 0);
+      t_f32.push_back(t[2]);
+      t_bf16.push_back(t[3]);
+      t_fast.push_back(t[4]);
       f32_vs_probe.push_back(f32.bytes_per_step() / t_f32.back() / bandwidth.back());
       bf16_vs_probe.push_back(bf16.bytes_per_step() / t_bf16.back() / bandwidth.back());
       fast_vs_probe.push_back(bf16.bytes_per_step() / t_fast.back() / bandwidth.back());
