@@ -44,15 +44,14 @@ constexpr double kParallelBytes = 256 * 1024;
 // (cold, 64 KiB runs read at 0.6x the speed of 512 KiB ones on this
 // machine's memory). Item k's partial results, one per query row r: running
 // max m, sum of exponentials l and the weighted sum of values acc, at
-// partial[k - first_item] + r * (value_dim + 2): [m, l, acc...].
+// partials + partial_offset[k - first_item] + r * (value_dim + 2):
+// [m, l, acc...].
 struct Unit {
   int64_t first_item = 0, end_item = 0;
   int64_t first_block = 0, end_block = 0;
-  // Which of its session's block ranges this is.
-  int64_t chunk = 0;
   bool with_tail = false;
-  // partial[k - first_item] for item k.
-  std::vector<float*> partial;
+  // In floats, from the start of the pass's partial results.
+  std::vector<int64_t> partial_offset;
 };
 
 // Folds a block's scores s[0, visible) of one query row (already scaled)
@@ -157,6 +156,16 @@ ATTN_AVX512 inline void Prefetch(const char* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_NTA);
 }
 
+// A scores kernel's kRows x 4 registers of sums, zeroed.
+template <int kRows>
+ATTN_AVX512 inline void ZeroScores(__m512 (&acc)[kRows][4]) {
+  ATTN_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+}
+
 // s[r * kBlockRows + 16 t + i] = scale * acc[r][t] lane i.
 template <int kRows>
 ATTN_AVX512 inline void StoreScores(const __m512 (&acc)[kRows][4], float scale, float* s) {
@@ -179,11 +188,7 @@ ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64
   constexpr int64_t kRowBytes = kBlockRows * 4;  // one key element, every key
   const char* base = static_cast<const char*>(kt);
   __m512 acc[kRows][4];
-  ATTN_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    ATTN_UNROLL
-    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
-  }
+  ZeroScores<kRows>(acc);
   for (int64_t e = 0; e < d; ++e) {
     const float* row = reinterpret_cast<const float*>(base + e * kRowBytes);
     const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16),
@@ -209,11 +214,7 @@ ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int6
   constexpr int64_t kPairBytes = kBlockRows * 4;  // two key elements, every key
   const char* base = static_cast<const char*>(kt);
   __m512 acc[kRows][4];
-  ATTN_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    ATTN_UNROLL
-    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
-  }
+  ZeroScores<kRows>(acc);
   const int64_t pairs = (d + 1) / 2;
   for (int64_t i = 0; i < pairs; ++i) {
     const char* row = base + i * kPairBytes;
@@ -242,11 +243,7 @@ ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* 
   constexpr int64_t kPairBytes = kBlockRows * 4;
   const char* base = static_cast<const char*>(kt);
   __m512 acc[kRows][4];
-  ATTN_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    ATTN_UNROLL
-    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
-  }
+  ZeroScores<kRows>(acc);
   const int64_t pairs = (d + 1) / 2;
   for (int64_t i = 0; i < pairs; ++i) {
     const char* row = base + i * kPairBytes;
@@ -387,6 +384,29 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
   return correction;
 }
 
+// a[r][k] = chunk c0 + k of row r's sums times correction[r]: an
+// accumulate kernel's registers.
+template <int kRows, int kPass>
+ATTN_AVX512 inline void LoadSums(float* const* acc, const float* correction, int64_t c0,
+                                 __m512 (&a)[kRows][kPass]) {
+  ATTN_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 c = _mm512_set1_ps(correction[r]);
+    ATTN_UNROLL
+    for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
+  }
+}
+
+// Their registers back into the sums.
+template <int kRows, int kPass>
+ATTN_AVX512 inline void StoreSums(const __m512 (&a)[kRows][kPass], float* const* acc, int64_t c0) {
+  ATTN_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    ATTN_UNROLL
+    for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
+  }
+}
+
 // Chunks [c0, c0 + kPass) (16 elements each) of kRows rows' sums, over the
 // value rows (d elements): the sums stay in registers across the block, and
 // each loaded value chunk serves every row. FLOAT32 cache: row j's chunk is
@@ -400,12 +420,7 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
   const int64_t row_bytes = d * 4;
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
-  ATTN_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const __m512 c = _mm512_set1_ps(correction[r]);
-    ATTN_UNROLL
-    for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
-  }
+  LoadSums<kRows, kPass>(acc, correction, c0, a);
   for (int64_t j = 0; j < n; ++j) {
     const char* row = base + j * row_bytes;
     __m512 vj[kPass];
@@ -419,11 +434,7 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
     }
     if constexpr (kPrefetch) Prefetch(next_v + j * row_bytes, row_bytes);
   }
-  ATTN_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    ATTN_UNROLL
-    for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
-  }
+  StoreSums<kRows, kPass>(a, acc, c0);
 }
 
 template <int kRows, int kPass, bool kPrefetch>
@@ -433,12 +444,7 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
   const int64_t pair_bytes = d * 4;  // two rows
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
-  ATTN_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const __m512 c = _mm512_set1_ps(correction[r]);
-    ATTN_UNROLL
-    for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
-  }
+  LoadSums<kRows, kPass>(acc, correction, c0, a);
   for (int64_t j = 0; j < n; j += 2) {
     const char* pair = base + (j / 2) * pair_bytes;
     const bool second = j + 1 < n;
@@ -456,11 +462,7 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
     }
     if constexpr (kPrefetch) Prefetch(next_v + (j / 2) * pair_bytes, pair_bytes);
   }
-  ATTN_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    ATTN_UNROLL
-    for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
-  }
+  StoreSums<kRows, kPass>(a, acc, c0);
 }
 
 // The BFLOAT16 form with bf16 dot products: each row's weights rounded to
@@ -483,10 +485,8 @@ ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* 
       const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 32 * t + 16), _mm512_loadu_ps(pr + 32 * t));
       _mm512_store_si512(weights[r] + 16 * t, reinterpret_cast<__m512i>(w));
     }
-    const __m512 c = _mm512_set1_ps(correction[r]);
-    ATTN_UNROLL
-    for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * (c0 + k)), c);
   }
+  LoadSums<kRows, kPass>(acc, correction, c0, a);
   for (int64_t i = 0; 2 * i < n; ++i) {
     const char* pair = base + i * pair_bytes;
     __m512i vi[kPass];
@@ -502,11 +502,7 @@ ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* 
     }
     if constexpr (kPrefetch) Prefetch(next_v + i * pair_bytes, pair_bytes);
   }
-  ATTN_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    ATTN_UNROLL
-    for (int k = 0; k < kPass; ++k) _mm512_storeu_ps(acc[r] + 16 * (c0 + k), a[r][k]);
-  }
+  StoreSums<kRows, kPass>(a, acc, c0);
 }
 
 template <Math kMath, int kRows, int kPass, bool kPrefetch>
@@ -637,7 +633,7 @@ struct ItemRows {
   float* partial;
 };
 
-void RunUnit(const Unit& u, absl::Span<const DecodeItem> items) {
+void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials) {
   const DecodeItem& first = items[u.first_item];
   const KvCache& cache = *first.cache;
   const int64_t dk = cache.key_dim(), dv = cache.value_dim();
@@ -663,7 +659,7 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items) {
   for (int64_t k = 0; k < count; ++k) {
     const DecodeItem& it = items[u.first_item + k];
     ItemRows& st = states[k];
-    st.partial = u.partial[k];
+    st.partial = partials + u.partial_offset[k];
     for (int64_t r = 0; r < rows; ++r) {
       float* p = st.partial + r * (dv + 2);
       p[0] = -std::numeric_limits<float>::infinity();
@@ -821,32 +817,27 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
         u.end_item = first + heads * (h + 1) / h_count;
         u.first_block = blocks * c / c_count;
         u.end_block = blocks * (c + 1) / c_count;
-        u.chunk = c;
         u.with_tail = c == c_count - 1;
+        // Chunk c of each of its items' partial results.
+        for (int64_t k = u.first_item; k < u.end_item; ++k) {
+          u.partial_offset.push_back(partial_offset[k] + c * stride);
+        }
         units.push_back(std::move(u));
       }
     }
   }
   std::vector<float> partials(static_cast<size_t>(partial_floats));
-  // A unit holds its chunk of each of its items' partials.
-  for (Unit& u : units) {
-    for (int64_t k = u.first_item; k < u.end_item; ++k) {
-      const DecodeItem& it = items[k];
-      const int64_t stride = it.group * it.query_len * (it.cache->value_dim() + 2);
-      u.partial.push_back(partials.data() + partial_offset[k] + u.chunk * stride);
-    }
-  }
   const int64_t total = static_cast<int64_t>(units.size());
   const int team = static_cast<int>(std::min<int64_t>(threads, total));
   if (team <= 1) {
-    for (const Unit& u : units) RunUnit(u, items);
+    for (const Unit& u : units) RunUnit(u, items, partials.data());
     for (int64_t k = 0; k < n; ++k) Merge(items[k], partials.data() + partial_offset[k], chunks[k]);
     return;
   }
 #pragma omp parallel num_threads(team)
   {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < total; ++u) RunUnit(units[u], items);
+    for (int64_t u = 0; u < total; ++u) RunUnit(units[u], items, partials.data());
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < n; ++k) Merge(items[k], partials.data() + partial_offset[k], chunks[k]);
   }
