@@ -326,21 +326,12 @@ ATTN_AVX512 inline __m512 Exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(y, scale));
 }
 
-// The largest and the sum of x's lanes (NaN lanes: see the callers).
-ATTN_AVX512 inline float MaxOf(__m512 x) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, x);
-  float m = lanes[0];
-  for (int i = 1; i < 16; ++i) m = lanes[i] > m ? lanes[i] : m;
-  return m;
-}
-ATTN_AVX512 inline float SumOf(__m512 x) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, x);
-  float sum = 0.0f;
-  for (int i = 0; i < 16; ++i) sum += lanes[i];
-  return sum;
-}
+// The largest and the sum of x's lanes (NaN lanes: see the callers), in a
+// tree of shuffles: a lane-by-lane loop through memory, a chain of 16
+// dependent steps per row and block, made a grouped-query step whose cache
+// is in L2 4-5% slower.
+ATTN_AVX512 inline float MaxOf(__m512 x) { return _mm512_reduce_max_ps(x); }
+ATTN_AVX512 inline float SumOf(__m512 x) { return _mm512_reduce_add_ps(x); }
 
 // Prepare for a whole block (n <= kBlockRows = 64 scores, four registers),
 // with no calls: the exponentials of a grouped-query step are a fifth of its
@@ -370,7 +361,10 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
     for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + 16 * t, _mm512_setzero_ps());
     return 1.0f;
   }
-  const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - m_new);
+  // Once a row's max has settled, most blocks leave it unchanged: no exp.
+  const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f
+                           : m == m_new                                ? 1.0f
+                                                                       : std::exp(m - m_new);
   const __m512 shift = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   ATTN_UNROLL
