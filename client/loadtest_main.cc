@@ -86,6 +86,9 @@ ABSL_FLAG(int64_t, seq_len, 16, "L: query length");
 ABSL_FLAG(int64_t, kv_len, 0, "S: key and value length; 0 means L");
 ABSL_FLAG(int64_t, embed_dim, 0, "E: query features; 0 means the model's, or 64");
 ABSL_FLAG(int64_t, heads, 1, "Raw attention: heads the features are split into");
+ABSL_FLAG(int64_t, kv_heads, 0,
+          "Raw attention: send rank 4, query [B, heads, L, E/heads] and key and value "
+          "[B, kv_heads, S, E/heads] (fewer than --heads: grouped-query); 0: rank 3");
 ABSL_FLAG(std::string, mask, "none",
           "none, causal, causal_bottom_right, valid_lens, key_padding or attn_mask");
 ABSL_FLAG(std::string, dtype, "float32", "Inputs and outputs: float32, bfloat16 or float16");
@@ -219,6 +222,7 @@ attention::loadtest::LoadtestConfig ConfigFromFlags() {
   config.shape.key_len = absl::GetFlag(FLAGS_kv_len);
   config.shape.embed_dim = absl::GetFlag(FLAGS_embed_dim);
   config.shape.heads = absl::GetFlag(FLAGS_heads);
+  config.shape.kv_heads = absl::GetFlag(FLAGS_kv_heads);
   config.shape.need_weights = absl::GetFlag(FLAGS_need_weights);
   config.shape.seed = absl::GetFlag(FLAGS_seed);
   config.mask = absl::GetFlag(FLAGS_mask);

@@ -88,10 +88,17 @@ std::string ShapeText(const v1::Tensor& tensor) {
 
 std::string DescribeRequest(const v1::AttendRequest& request, const std::string& file) {
   std::string text = file.empty() ? "" : absl::StrCat(file, ": ");
-  absl::StrAppend(&text, request.model().empty()
-                             ? absl::StrCat("raw attention, ", std::max(1, request.num_heads()),
-                                            request.num_heads() > 1 ? " heads" : " head")
-                             : absl::StrCat("model ", request.model()));
+  if (!request.model().empty()) {
+    absl::StrAppend(&text, "model ", request.model());
+  } else if (request.query().shape_size() == 4 && request.has_key() &&
+             request.key().shape_size() == 4) {
+    const int64_t heads = request.query().shape(1), kv_heads = request.key().shape(1);
+    absl::StrAppend(&text, "raw attention, ", heads, heads > 1 ? " heads" : " head");
+    if (kv_heads != heads) absl::StrAppend(&text, " over ", kv_heads, " key/value");
+  } else {
+    absl::StrAppend(&text, "raw attention, ", std::max(1, request.num_heads()),
+                    request.num_heads() > 1 ? " heads" : " head");
+  }
   absl::StrAppend(&text, ", query ", ShapeText(request.query()));
   if (request.has_key()) absl::StrAppend(&text, ", key ", ShapeText(request.key()));
   const v1::Mask& mask = request.mask();
@@ -280,11 +287,19 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
   shape.query_len = shape.key_len = 1;
   ++shape.seed;
   ATTN_ASSIGN_OR_RETURN(options.step, BuildRequest(shape, model_ptr));
-  // The cache holds, per key/value head, the head's share of the query's
-  // features for keys and for values (with a model: the projections').
-  const int64_t embed_dim = options.step.query().shape(2);
-  const int64_t heads = model_ptr != nullptr ? model_ptr->num_heads() : shape.heads;
-  options.cache_row_bytes = CacheRowBytes(heads, embed_dim / heads, embed_dim / heads, cache_dtype);
+  // The cache holds, per key/value head, its keys and values: rank 4, the
+  // key and value tensors' heads and dims; rank 3, the head's share of the
+  // query's features for each (with a model: the projections').
+  const v1::AttendRequest& step = options.step;
+  if (step.key().shape_size() == 4) {
+    options.cache_row_bytes = CacheRowBytes(step.key().shape(1), step.key().shape(3),
+                                            step.value().shape(3), cache_dtype);
+  } else {
+    const int64_t embed_dim = step.query().shape(2);
+    const int64_t heads = model_ptr != nullptr ? model_ptr->num_heads() : shape.heads;
+    options.cache_row_bytes =
+        CacheRowBytes(heads, embed_dim / heads, embed_dim / heads, cache_dtype);
+  }
   options.targets = config.targets;
   options.connections = config.connections;
   options.client = config.client;

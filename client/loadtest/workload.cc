@@ -190,6 +190,11 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
     key_dim = model->kdim() == 0 ? embed_dim : model->kdim();
     value_dim = model->vdim() == 0 ? embed_dim : model->vdim();
     request.set_model(options.model);
+    if (options.kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_heads ", options.kv_heads, " is for raw attention; model ", options.model,
+          " has its own heads"));
+    }
   } else {
     if (embed_dim == 0) embed_dim = 64;
     ATTN_RETURN_IF_ERROR(CheckDim("heads", options.heads));
@@ -198,7 +203,15 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
           absl::StrCat("heads ", options.heads, " does not divide embed_dim ", embed_dim));
     }
     key_dim = value_dim = embed_dim;
-    request.set_num_heads(static_cast<int32_t>(options.heads));
+    if (options.kv_heads == 0) {
+      request.set_num_heads(static_cast<int32_t>(options.heads));
+    } else {
+      ATTN_RETURN_IF_ERROR(CheckDim("kv_heads", options.kv_heads));
+      if (options.heads % options.kv_heads != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kv_heads ", options.kv_heads, " does not divide heads ", options.heads));
+      }
+    }
   }
   ATTN_RETURN_IF_ERROR(CheckDim("batch", options.batch));
   ATTN_RETURN_IF_ERROR(CheckDim("query length", options.query_len));
@@ -207,12 +220,17 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
 
   std::mt19937_64 rng(options.seed);
   const int64_t batch = options.batch;
-  ATTN_ASSIGN_OR_RETURN(*request.mutable_query(),
-                        RandomTensor({batch, options.query_len, embed_dim}, options.dtype, rng));
-  ATTN_ASSIGN_OR_RETURN(*request.mutable_key(),
-                        RandomTensor({batch, key_len, key_dim}, options.dtype, rng));
-  ATTN_ASSIGN_OR_RETURN(*request.mutable_value(),
-                        RandomTensor({batch, key_len, value_dim}, options.dtype, rng));
+  std::vector<int64_t> query_shape = {batch, options.query_len, embed_dim};
+  std::vector<int64_t> key_shape = {batch, key_len, key_dim};
+  std::vector<int64_t> value_shape = {batch, key_len, value_dim};
+  if (options.model.empty() && options.kv_heads != 0) {
+    const int64_t head_dim = embed_dim / options.heads;
+    query_shape = {batch, options.heads, options.query_len, head_dim};
+    key_shape = value_shape = {batch, options.kv_heads, key_len, head_dim};
+  }
+  ATTN_ASSIGN_OR_RETURN(*request.mutable_query(), RandomTensor(query_shape, options.dtype, rng));
+  ATTN_ASSIGN_OR_RETURN(*request.mutable_key(), RandomTensor(key_shape, options.dtype, rng));
+  ATTN_ASSIGN_OR_RETURN(*request.mutable_value(), RandomTensor(value_shape, options.dtype, rng));
   ATTN_RETURN_IF_ERROR(
       AddMask(options.mask, batch, options.query_len, key_len, rng, request.mutable_mask()));
   request.set_need_weights(options.need_weights);

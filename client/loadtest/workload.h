@@ -44,6 +44,10 @@ struct ShapeOptions {
   // E; 0 means the model's embed_dim, or 64 for raw attention.
   int64_t embed_dim = 0;
   int64_t heads = 1;  // raw attention: num_heads
+  // Raw attention: 0 sends rank 3, [B, L, E] split into `heads`; above 0,
+  // rank 4: query [B, heads, L, E / heads], key and value [B, kv_heads, S,
+  // E / heads] (grouped-query when fewer than heads, which it must divide).
+  int64_t kv_heads = 0;
   MaskKind mask = MaskKind::kNone;
   // Inputs and outputs.
   v1::Tensor::DType dtype = v1::Tensor::FLOAT32;
@@ -55,9 +59,10 @@ struct ShapeOptions {
 // A request with random inputs in [-1, 1): query [B, L, E], key [B, S, Ek] and
 // value [B, S, Ev]. With options.model, `model` is its config (from GetModel)
 // and Ek and Ev are its kdim and vdim; without, `model` is ignored, Ek = Ev = E
-// and num_heads = heads. INVALID_ARGUMENT
-// for a non-positive size, heads not dividing E, an embed_dim other than the
-// model's, or more than 2^28 elements in a tensor.
+// and num_heads = heads, or with kv_heads the rank-4 tensors above.
+// INVALID_ARGUMENT for a non-positive size, heads not dividing E, kv_heads not
+// dividing heads or given with a model, an embed_dim other than the model's, or
+// more than 2^28 elements in a tensor.
 absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
                                                const v1::ModelConfig* model);
 

@@ -180,6 +180,43 @@ TEST(WorkloadTest, BuildsASeededRawRequest) {
   EXPECT_NE(BuildRequest(options, nullptr)->SerializeAsString(), request->SerializeAsString());
 }
 
+TEST(WorkloadTest, KvHeadsSendRank4WithGroupedQueryHeads) {
+  ShapeOptions options;
+  options.query_len = 3;
+  options.key_len = 5;
+  options.embed_dim = 32;
+  options.heads = 8;
+  options.kv_heads = 2;
+  options.need_weights = true;
+  absl::StatusOr<v1::AttendRequest> request = BuildRequest(options, nullptr);
+  ASSERT_TRUE(request.ok()) << request.status();
+  EXPECT_THAT(Shape(request->query()), ElementsAre(1, 8, 3, 4));
+  EXPECT_THAT(Shape(request->key()), ElementsAre(1, 2, 5, 4));
+  EXPECT_THAT(Shape(request->value()), ElementsAre(1, 2, 5, 4));
+  EXPECT_EQ(request->num_heads(), 0) << "rank 4 carries its heads in its shape";
+  absl::StatusOr<AnswerShapes> shapes = ExpectedShapes(*request, nullptr);
+  ASSERT_TRUE(shapes.ok()) << shapes.status();
+  EXPECT_THAT(shapes->output, ElementsAre(1, 8, 3, 4));
+  EXPECT_THAT(shapes->weights, Optional(ElementsAre(1, 8, 3, 5)));
+
+  options.kv_heads = 3;
+  EXPECT_THAT(BuildRequest(options, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("kv_heads 3 does not divide heads 8")));
+  options.kv_heads = -1;
+  EXPECT_THAT(BuildRequest(options, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("kv_heads")));
+  v1::ModelConfig model;
+  model.set_embed_dim(32);
+  model.set_num_heads(8);
+  options.model = "m";
+  options.embed_dim = 0;
+  options.kv_heads = 2;
+  EXPECT_THAT(BuildRequest(options, &model),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("kv_heads 2 is for raw attention; model m")));
+}
+
 TEST(WorkloadTest, ModelRequestsTakeTheModelsDims) {
   v1::ModelConfig model;
   model.set_embed_dim(64);

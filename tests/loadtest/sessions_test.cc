@@ -226,6 +226,27 @@ TEST_F(SessionLoadtestTest, AModelsCacheRowIsItsEmbedDimForKeysAndValues) {
   EXPECT_EQ(json["sessions"]["cache_row_bytes"], kRowBytes);
 }
 
+TEST_F(SessionLoadtestTest, GroupedQueryDecodersCacheTheirKeyValueHeads) {
+  LoadtestConfig config = Config();
+  config.shape.heads = 4;
+  config.shape.kv_heads = 2;
+  config.verify = true;
+  config.json_file = MakeTempDir("sessions_gqa") + "/out.json";
+  std::ostringstream out, err;
+  ASSERT_EQ(RunLoadtest(config, out, err), kExitOk) << err.str() << out.str();
+  EXPECT_THAT(out.str(), AllOf(HasSubstr("raw attention, 4 heads over 2 key/value, query "
+                                         "[1, 4, 1, 2] float32, key [1, 2, 1, 2] float32"),
+                               HasSubstr("8 of 8 answered in")));
+  const nlohmann::json json =
+      nlohmann::json::parse(ReadWholeFile(config.json_file), nullptr, false);
+  ASSERT_FALSE(json.is_discarded());
+  // 2 key/value heads x (2 + 2) float32 elements: half a 4-head cache's row.
+  EXPECT_EQ(json["sessions"]["cache_row_bytes"], 2 * (2 + 2) * 4);
+  EXPECT_EQ(json["sessions"]["cache_bytes_read"], 2 * 32 * RowsRead(3, 4));
+  EXPECT_EQ(json["requests"], 8);
+  EXPECT_TRUE(json["errors"].empty()) << json["errors"];
+}
+
 TEST_F(SessionLoadtestTest, FlagsOfOtherLoadsAreRefused) {
   LoadtestConfig config = Config();
   config.rate = 10;
