@@ -702,10 +702,22 @@ TEST_F(HostileServerTest, AFloodOfAbandonedStreamsLeavesTheServerHealthy) {
   for (auto& o : open) EXPECT_EQ(o->stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
   open.clear();
 
-  // The server learns of each cancellation on its own threads; wait (bounded)
-  // for the last stream's requests to be let go.
+  // The server learns of each cancellation on its own threads, and a read of
+  // a cancelled stream may still hand it a request after the gauge first
+  // reads 0 (the gauge then reads 1 until that request is dropped): wait
+  // (bounded) until the gauge has read 0 for a whole second. A request left
+  // behind keeps it above 0 to the deadline.
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (InFlight(server_->server()) != 0 && absl::Now() < deadline) {
+  absl::Time zero_since = absl::InfiniteFuture();
+  while (absl::Now() < deadline) {
+    const absl::Time now = absl::Now();
+    if (InFlight(server_->server()) != 0) {
+      zero_since = absl::InfiniteFuture();
+    } else if (zero_since == absl::InfiniteFuture()) {
+      zero_since = now;
+    } else if (now - zero_since >= absl::Seconds(1)) {
+      break;
+    }
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(InFlight(server_->server()), 0);
