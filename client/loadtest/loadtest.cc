@@ -90,9 +90,10 @@ std::string DescribeRequest(const v1::AttendRequest& request, const std::string&
   std::string text = file.empty() ? "" : absl::StrCat(file, ": ");
   if (!request.model().empty()) {
     absl::StrAppend(&text, "model ", request.model());
-  } else if (request.query().shape_size() == 4 && request.has_key() &&
-             request.key().shape_size() == 4) {
-    const int64_t heads = request.query().shape(1), kv_heads = request.key().shape(1);
+  } else if (request.query().shape_size() == 4) {
+    // Rank 4 carries its heads in its shapes (key omitted: the query's).
+    const int64_t heads = request.query().shape(1);
+    const int64_t kv_heads = request.has_key() ? request.key().shape(1) : heads;
     absl::StrAppend(&text, "raw attention, ", heads, heads > 1 ? " heads" : " head");
     if (kv_heads != heads) absl::StrAppend(&text, " over ", kv_heads, " key/value");
   } else {

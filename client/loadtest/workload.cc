@@ -181,6 +181,11 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
   v1::AttendRequest request;
   request.set_id("loadtest");
   if (!options.model.empty()) {
+    if (options.kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_heads ", options.kv_heads, " is for raw attention; model ", options.model,
+          " has its own heads"));
+    }
     if (embed_dim != 0 && embed_dim != model->embed_dim()) {
       return absl::InvalidArgumentError(absl::StrCat("embed_dim ", embed_dim, " is not model ",
                                                      options.model, "'s embed_dim ",
@@ -190,11 +195,6 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
     key_dim = model->kdim() == 0 ? embed_dim : model->kdim();
     value_dim = model->vdim() == 0 ? embed_dim : model->vdim();
     request.set_model(options.model);
-    if (options.kv_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv_heads ", options.kv_heads, " is for raw attention; model ", options.model,
-          " has its own heads"));
-    }
   } else {
     if (embed_dim == 0) embed_dim = 64;
     ATTN_RETURN_IF_ERROR(CheckDim("heads", options.heads));
@@ -223,7 +223,7 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
   std::vector<int64_t> query_shape = {batch, options.query_len, embed_dim};
   std::vector<int64_t> key_shape = {batch, key_len, key_dim};
   std::vector<int64_t> value_shape = {batch, key_len, value_dim};
-  if (options.model.empty() && options.kv_heads != 0) {
+  if (options.kv_heads != 0) {  // raw attention only (refused above with a model)
     const int64_t head_dim = embed_dim / options.heads;
     query_shape = {batch, options.heads, options.query_len, head_dim};
     key_shape = value_shape = {batch, options.kv_heads, key_len, head_dim};
