@@ -90,15 +90,14 @@ std::string DescribeRequest(const v1::AttendRequest& request, const std::string&
   std::string text = file.empty() ? "" : absl::StrCat(file, ": ");
   if (!request.model().empty()) {
     absl::StrAppend(&text, "model ", request.model());
-  } else if (request.query().shape_size() == 4) {
+  } else {
     // Rank 4 carries its heads in its shapes (key omitted: the query's).
-    const int64_t heads = request.query().shape(1);
-    const int64_t kv_heads = request.has_key() ? request.key().shape(1) : heads;
+    const bool rank4 = request.query().shape_size() == 4;
+    const int64_t heads =
+        rank4 ? request.query().shape(1) : std::max<int64_t>(1, request.num_heads());
+    const int64_t kv_heads = rank4 && request.has_key() ? request.key().shape(1) : heads;
     absl::StrAppend(&text, "raw attention, ", heads, heads > 1 ? " heads" : " head");
     if (kv_heads != heads) absl::StrAppend(&text, " over ", kv_heads, " key/value");
-  } else {
-    absl::StrAppend(&text, "raw attention, ", std::max(1, request.num_heads()),
-                    request.num_heads() > 1 ? " heads" : " head");
   }
   absl::StrAppend(&text, ", query ", ShapeText(request.query()));
   if (request.has_key()) absl::StrAppend(&text, ", key ", ShapeText(request.key()));
