@@ -329,9 +329,25 @@ ATTN_AVX512 inline __m512 Exp16(__m512 x) {
 // The largest and the sum of x's lanes (NaN lanes: see the callers), in a
 // tree of shuffles: a lane-by-lane loop through memory, a chain of 16
 // dependent steps per row and block, made a grouped-query step whose cache
-// is in L2 4-5% slower.
-ATTN_AVX512 inline float MaxOf(__m512 x) { return _mm512_reduce_max_ps(x); }
-ATTN_AVX512 inline float SumOf(__m512 x) { return _mm512_reduce_add_ps(x); }
+// is in L2 4-5% slower. Written out rather than _mm512_reduce_max_ps /
+// _mm512_reduce_add_ps, whose undefined operands GCC 12 warns about at -O3.
+ATTN_AVX512 inline __m128 FourOf(__m512 x, bool max) {
+  const __m256 lo = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xF, _mm512_castps_pd(x), 0));
+  const __m256 hi = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xF, _mm512_castps_pd(x), 1));
+  const __m256 eight = max ? _mm256_max_ps(lo, hi) : _mm256_add_ps(lo, hi);
+  const __m128 a = _mm256_castps256_ps128(eight), b = _mm256_extractf128_ps(eight, 1);
+  return max ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
+}
+ATTN_AVX512 inline float MaxOf(__m512 x) {
+  __m128 m = FourOf(x, true);
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+ATTN_AVX512 inline float SumOf(__m512 x) {
+  __m128 s = FourOf(x, false);
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
 
 // Prepare for a whole block (n <= kBlockRows = 64 scores, four registers),
 // with no calls: the exponentials of a grouped-query step are a fifth of its
@@ -410,7 +426,8 @@ ATTN_AVX512 inline void StoreSums(const __m512 (&a)[kRows][kPass], float* const*
 template <int kRows, int kPass, bool kPrefetch>
 ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
                                          const float* correction, const void* v, int64_t n,
-                                         int64_t d, int64_t c0, const char* next_v) {
+                                         int64_t d, int64_t c0, const char* next_v,
+                                         int64_t step) {
   const int64_t row_bytes = d * 4;
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
@@ -426,7 +443,7 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
       ATTN_UNROLL
       for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
     }
-    if constexpr (kPrefetch) Prefetch(next_v + j * row_bytes, row_bytes);
+    if constexpr (kPrefetch) Prefetch(next_v + j * step, step);
   }
   StoreSums<kRows, kPass>(a, acc, c0);
 }
@@ -434,7 +451,8 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
 template <int kRows, int kPass, bool kPrefetch>
 ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
                                           const float* correction, const void* v, int64_t n,
-                                          int64_t d, int64_t c0, const char* next_v) {
+                                          int64_t d, int64_t c0, const char* next_v,
+                                          int64_t step) {
   const int64_t pair_bytes = d * 4;  // two rows
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
@@ -454,7 +472,7 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
         }
       }
     }
-    if constexpr (kPrefetch) Prefetch(next_v + (j / 2) * pair_bytes, pair_bytes);
+    if constexpr (kPrefetch) Prefetch(next_v + (j / 2) * step, step);
   }
   StoreSums<kRows, kPass>(a, acc, c0);
 }
@@ -466,7 +484,7 @@ template <int kRows, int kPass, bool kPrefetch>
 ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* acc,
                                                   const float* correction, const void* v,
                                                   int64_t n, int64_t d, int64_t c0,
-                                                  const char* next_v) {
+                                                  const char* next_v, int64_t step) {
   const int64_t pair_bytes = d * 4;
   const char* base = static_cast<const char*>(v) + c0 * 64;
   alignas(64) int32_t weights[kRows][kBlockRows / 2];
@@ -494,30 +512,36 @@ ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* 
         a[r][k] = _mm512_dpbf16_ps(a[r][k], reinterpret_cast<__m512bh>(vi[k]), w);
       }
     }
-    if constexpr (kPrefetch) Prefetch(next_v + i * pair_bytes, pair_bytes);
+    if constexpr (kPrefetch) Prefetch(next_v + i * step, step);
   }
   StoreSums<kRows, kPass>(a, acc, c0);
 }
 
 template <Math kMath, int kRows, int kPass, bool kPrefetch>
 void Avx512AccumulateWith(const float* p, float* const* acc, const float* correction,
-                          const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v) {
+                          const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v,
+                          int64_t step) {
   if constexpr (kMath == Math::kFloat32) {
-    Avx512AccumulateFloat32<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v);
+    Avx512AccumulateFloat32<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v, step);
   } else if constexpr (kMath == Math::kBFloat16) {
-    Avx512AccumulateBFloat16<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v);
+    Avx512AccumulateBFloat16<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v,
+                                                      step);
   } else {
-    Avx512AccumulateBFloat16Dot<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v);
+    Avx512AccumulateBFloat16Dot<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v,
+                                                         step);
   }
 }
 
+// next_v (may be null): `step` bytes of it come in per value row (a pair of
+// rows for BFLOAT16), from next_v + step * row.
 template <Math kMath, int kRows, int kPass>
 void Avx512AccumulatePass(const float* p, float* const* acc, const float* correction,
-                          const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v) {
+                          const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v,
+                          int64_t step) {
   if (next_v != nullptr) {
-    Avx512AccumulateWith<kMath, kRows, kPass, true>(p, acc, correction, v, n, d, c0, next_v);
+    Avx512AccumulateWith<kMath, kRows, kPass, true>(p, acc, correction, v, n, d, c0, next_v, step);
   } else {
-    Avx512AccumulateWith<kMath, kRows, kPass, false>(p, acc, correction, v, n, d, c0, next_v);
+    Avx512AccumulateWith<kMath, kRows, kPass, false>(p, acc, correction, v, n, d, c0, next_v, step);
   }
 }
 
@@ -526,19 +550,20 @@ void Avx512AccumulatePass(const float* p, float* const* acc, const float* correc
 // chunks: two registers each when widened from bfloat16 pairs).
 template <Math kMath, int kRows>
 void Avx512AccumulateRows(const float* p, float* const* acc, const float* correction,
-                          const void* v, int64_t n, int64_t d, const char* next_v) {
+                          const void* v, int64_t n, int64_t d, const char* next_v, int64_t step) {
   constexpr int kMostChunks = kRows == 1 ? 8 : (kRows == 2 && kMath != Math::kBFloat16) ? 8 : 4;
   const int64_t chunks = d / 16;
   for (int64_t c0 = 0; c0 < chunks; c0 += kMostChunks) {
-    // The next part comes in during the last pass only: brought in earlier,
-    // it would push out of L1 the rows the later passes read again.
+    // This group's slice of the next part comes in during the last pass
+    // only: brought in earlier, it would push out of L1 the rows the later
+    // passes read again.
     const char* prefetch = c0 + kMostChunks >= chunks ? next_v : nullptr;
     switch (std::min<int64_t>(kMostChunks, chunks - c0)) {
-#define ATTN_PASS(k)                                                                    \
-  case k:                                                                               \
-    if constexpr (k <= kMostChunks) {                                                   \
-      Avx512AccumulatePass<kMath, kRows, k>(p, acc, correction, v, n, d, c0, prefetch); \
-    }                                                                                   \
+#define ATTN_PASS(k)                                                                          \
+  case k:                                                                                     \
+    if constexpr (k <= kMostChunks) {                                                         \
+      Avx512AccumulatePass<kMath, kRows, k>(p, acc, correction, v, n, d, c0, prefetch, step); \
+    }                                                                                         \
     break;
       ATTN_PASS(1)
       ATTN_PASS(2)
@@ -555,18 +580,36 @@ void Avx512AccumulateRows(const float* p, float* const* acc, const float* correc
   }
 }
 
-// Value dims that are a multiple of 16; up to four rows at a time.
+// Value dims that are a multiple of 16. Rows go four at a time where one
+// pass over the value rows holds their sums (up to 4 chunks: d <= 64), and
+// two at a time where it does not, FLOAT32 and bf16 dot products: four rows'
+// sums of d = 128 then take two passes, each reading the first or second
+// half of every value row, and a cold cache read in such strided halves
+// streamed 7-14% slower (grouped-query FLOAT32 steps, 2026-11-25). Two rows'
+// sums take the whole rows in one pass, so the first pair reads the part
+// from memory in order and the second pair reads it again from L1 or L2.
+// (Out of the CPU's caches that wins; a cache already in L2 or L3 steps
+// about 10% slower.) The next part's values come in a slice per group,
+// spread over its rows.
 template <Math kMath>
 void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* correction,
                       const void* v, int64_t n, int64_t d, const char* next_v) {
-  for (int r = 0; r < rows; r += 4) {
-    const char* prefetch = r == 0 ? next_v : nullptr;
+  const int group = d / 16 > 4 && kMath != Math::kBFloat16 ? 2 : 4;
+  const int64_t groups = (rows + group - 1) / group;
+  // Bytes of a FLOAT32 value row, or of a BFLOAT16 pair of rows.
+  const int64_t row_bytes = d * 4;
+  const int64_t step = std::max<int64_t>(64, (row_bytes / groups + 63) / 64 * 64);
+  const int64_t iterations = kMath == Math::kFloat32 ? n : (n + 1) / 2;
+  for (int r = 0; r < rows; r += group) {
+    const char* prefetch = next_v == nullptr ? nullptr : next_v + (r / group) * iterations * step;
     const float* pr = p + r * kBlockRows;
-    switch (std::min(4, rows - r)) {
-      case 4: Avx512AccumulateRows<kMath, 4>(pr, acc + r, correction + r, v, n, d, prefetch); break;
-      case 3: Avx512AccumulateRows<kMath, 3>(pr, acc + r, correction + r, v, n, d, prefetch); break;
-      case 2: Avx512AccumulateRows<kMath, 2>(pr, acc + r, correction + r, v, n, d, prefetch); break;
-      default: Avx512AccumulateRows<kMath, 1>(pr, acc + r, correction + r, v, n, d, prefetch); break;
+    float* const* ar = acc + r;
+    const float* cr = correction + r;
+    switch (std::min(group, rows - r)) {
+      case 4: Avx512AccumulateRows<kMath, 4>(pr, ar, cr, v, n, d, prefetch, step); break;
+      case 3: Avx512AccumulateRows<kMath, 3>(pr, ar, cr, v, n, d, prefetch, step); break;
+      case 2: Avx512AccumulateRows<kMath, 2>(pr, ar, cr, v, n, d, prefetch, step); break;
+      default: Avx512AccumulateRows<kMath, 1>(pr, ar, cr, v, n, d, prefetch, step); break;
     }
   }
 }

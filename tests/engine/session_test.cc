@@ -362,10 +362,12 @@ TEST_P(SessionTest, GroupedQueryHeadsShareTheirKeyValueHead) {
 }
 
 // The decode kernel's head dims (multiples of 16 are vectorised, the value
-// rows in passes of up to 8 chunks of 16: 80 and 256 take two), group sizes
-// (query heads per key/value head, 1 to 8: rows processed in fours, and
-// what remains) and storage types, with a cache split across threads by
-// block ranges and by heads.
+// rows in passes of up to 8 chunks of 16 for one or two query rows, 4 for
+// four rows or widened BFLOAT16: 256 takes two passes, 80 takes two over
+// BFLOAT16), group sizes (query heads per key/value head, 1 to 8: rows
+// processed in fours up to 64 dims, in pairs above, and what remains) and
+// storage types, with a cache split across threads by block ranges and by
+// heads.
 TEST_P(SessionTest, DecodeKernelShapesMatch) {
   for (bool portable : {false, true}) {
     internal::UsePortableDecodeKernelsForTesting(portable);
