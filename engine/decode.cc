@@ -545,13 +545,17 @@ void Avx512AccumulatePass(const float* p, float* const* acc, const float* correc
   }
 }
 
-// kRows rows, every chunk of the value rows, in passes of as many chunks as
-// the registers hold beside them (kRows x pass sums, the pass's value
-// chunks: two registers each when widened from bfloat16 pairs).
+// The most value chunks one pass of kRows rows takes: as many as the
+// registers hold beside them (kRows x pass sums, the pass's value chunks: two
+// registers each when widened from bfloat16 pairs).
+template <Math kMath, int kRows>
+constexpr int kMostChunksOf = kRows == 1 ? 8 : (kRows == 2 && kMath != Math::kBFloat16) ? 8 : 4;
+
+// kRows rows, every chunk of the value rows, in passes of kMostChunksOf.
 template <Math kMath, int kRows>
 void Avx512AccumulateRows(const float* p, float* const* acc, const float* correction,
                           const void* v, int64_t n, int64_t d, const char* next_v, int64_t step) {
-  constexpr int kMostChunks = kRows == 1 ? 8 : (kRows == 2 && kMath != Math::kBFloat16) ? 8 : 4;
+  constexpr int kMostChunks = kMostChunksOf<kMath, kRows>;
   const int64_t chunks = d / 16;
   for (int64_t c0 = 0; c0 < chunks; c0 += kMostChunks) {
     // This group's slice of the next part comes in during the last pass
@@ -582,19 +586,20 @@ void Avx512AccumulateRows(const float* p, float* const* acc, const float* correc
 
 // Value dims that are a multiple of 16. Rows go four at a time where one
 // pass over the value rows holds their sums (up to 4 chunks: d <= 64), and
-// two at a time where it does not, FLOAT32 and bf16 dot products: four rows'
-// sums of d = 128 then take two passes, each reading the first or second
-// half of every value row, and a cold cache read in such strided halves
-// streamed 7-14% slower (grouped-query FLOAT32 steps, 2026-11-25). Two rows'
-// sums take the whole rows in one pass, so the first pair reads the part
-// from memory in order and the second pair reads it again from L1 or L2.
-// (Out of the CPU's caches that wins; a cache already in L2 or L3 steps
-// about 10% slower.) The next part's values come in a slice per group,
-// spread over its rows.
+// two at a time where it does not and two rows' passes hold more chunks
+// (FLOAT32 and bf16 dot products): four rows' sums of d = 128 would take two
+// passes, each reading the first or second half of every value row, and a
+// cold cache read in such strided halves streamed 7-14% slower
+// (grouped-query FLOAT32 steps, 2026-11-25). Two rows' sums take the whole
+// rows in one pass, so the first pair reads the part from memory in order
+// and the second pair reads it again from L1 or L2. (Out of the CPU's
+// caches that wins; a cache already in L2 or L3 steps about 10% slower.)
+// The next part's values come in a slice per group, spread over its rows.
 template <Math kMath>
 void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* correction,
                       const void* v, int64_t n, int64_t d, const char* next_v) {
-  const int group = d / 16 > 4 && kMath != Math::kBFloat16 ? 2 : 4;
+  constexpr bool kPairsHoldMore = kMostChunksOf<kMath, 2> > kMostChunksOf<kMath, 4>;
+  const int group = kPairsHoldMore && d / 16 > kMostChunksOf<kMath, 4> ? 2 : 4;
   const int64_t groups = (rows + group - 1) / group;
   // Bytes of a FLOAT32 value row, or of a BFLOAT16 pair of rows.
   const int64_t row_bytes = d * 4;
