@@ -145,19 +145,22 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
   return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// Starts bringing `bytes` at p (whole cache lines) in while the thread
+// Start bringing bytes at p (whole cache lines) in while the thread
 // computes: the next block's part, a slice at a time (without it, steps
 // read 15-30% less of the memory probe's bandwidth). Non-temporal: a step
 // reads each cached row once, so its lines need not displace what the
 // server's other work keeps in L2 and L3; T0 and T1 measured the same
 // within noise.
-ATTN_AVX512 inline void Prefetch(const char* p, int64_t bytes) {
+//
+// kBytes known at compile time (a key kernel's row): unrolled.
+template <int64_t kBytes>
+ATTN_AVX512 inline void Prefetch(const char* p) {
   ATTN_UNROLL
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_NTA);
+  for (int64_t off = 0; off < kBytes; off += 64) _mm_prefetch(p + off, _MM_HINT_NTA);
 }
 
-// The same for a count of bytes known only at run time (a value kernel's
-// slice per row), in a loop left rolled: GCC's unrolled form of it was a
+// A count of bytes known only at run time (a value kernel's slice per row),
+// in a loop left rolled: GCC's unrolled form of it was a
 // chain of compares and branches per value row, which cost B16 H8 D64 steps
 // about 5% and grouped-query steps 3-9% (2026-11-25).
 ATTN_AVX512 inline void PrefetchSlice(const char* p, int64_t bytes) {
@@ -210,7 +213,7 @@ ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64
       acc[r][2] = _mm512_fmadd_ps(k2, qe, acc[r][2]);
       acc[r][3] = _mm512_fmadd_ps(k3, qe, acc[r][3]);
     }
-    if constexpr (kPrefetch) Prefetch(next_k + e * kRowBytes, kRowBytes);
+    if constexpr (kPrefetch) Prefetch<kRowBytes>(next_k + e * kRowBytes);
   }
   StoreScores<kRows>(acc, scale, s);
 }
@@ -239,7 +242,7 @@ ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int6
         if (second) acc[r][t] = _mm512_fmadd_ps(second_k, _mm512_set1_ps(qr[2 * i + 1]), acc[r][t]);
       }
     }
-    if constexpr (kPrefetch) Prefetch(next_k + i * kPairBytes, kPairBytes);
+    if constexpr (kPrefetch) Prefetch<kPairBytes>(next_k + i * kPairBytes);
   }
   StoreScores<kRows>(acc, scale, s);
 }
@@ -267,7 +270,7 @@ ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* 
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], reinterpret_cast<__m512bh>(k2), qi);
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], reinterpret_cast<__m512bh>(k3), qi);
     }
-    if constexpr (kPrefetch) Prefetch(next_k + i * kPairBytes, kPairBytes);
+    if constexpr (kPrefetch) Prefetch<kPairBytes>(next_k + i * kPairBytes);
   }
   StoreScores<kRows>(acc, scale, s);
 }
