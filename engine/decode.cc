@@ -393,18 +393,25 @@ ATTN_AVX512 float Avx512PrepareOf(float* s, int64_t visible, float* row_partial)
   __mmask16 lanes[kRegs];
   __m512 x[kRegs];
   __m512 block_max = neg_inf;
-  __mmask16 nan = 0;
+  const __m512 old_max = _mm512_set1_ps(m);
+  __mmask16 nan = 0, above = 0;
   ATTN_UNROLL
   for (int t = 0; t < kRegs; ++t) {
     const int64_t count = std::clamp<int64_t>(visible - 16 * t, 0, 16);
     lanes[t] = static_cast<__mmask16>((uint32_t{1} << count) - 1);
     x[t] = _mm512_loadu_ps(s + 16 * t);
     nan |= _mm512_mask_cmp_ps_mask(lanes[t], x[t], x[t], _CMP_UNORD_Q);
+    above |= _mm512_mask_cmp_ps_mask(lanes[t], x[t], old_max, _CMP_GT_OQ);
     block_max = _mm512_mask_max_ps(block_max, lanes[t], block_max, x[t]);
   }
-  const float seen = nan != 0 ? std::numeric_limits<float>::quiet_NaN()
-                              : MaxOf(block_max);
-  const float m_new = std::isnan(seen) || seen > m ? seen : m;
+  // The lanes' max only where one is above the row's (or NaN): once the
+  // max has settled, most spans have none, and the shuffle tree's chain is
+  // skipped (grouped-query FAST steps 2-3% faster, 2026-11-25).
+  float m_new = m;
+  if ((nan | above) != 0) {
+    const float seen = nan != 0 ? std::numeric_limits<float>::quiet_NaN() : MaxOf(block_max);
+    m_new = std::isnan(seen) || seen > m ? seen : m;
+  }
   if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
     ATTN_UNROLL
     for (int t = 0; t < kRegs; ++t) _mm512_storeu_ps(s + 16 * t, _mm512_setzero_ps());
