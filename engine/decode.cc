@@ -16,12 +16,10 @@
 #endif
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "engine/kernels.h"
@@ -30,25 +28,6 @@ namespace attention::internal {
 namespace {
 
 constexpr int64_t kBlockRows = KvCache::kBlockRows;
-// A unit takes an item's blocks a span at a time: the scores of the span's
-// keys, one softmax step for all of them, then its values. The softmax
-// step's fixed costs (the row's max and sum, the correction) are then paid
-// once per span. The most blocks a span has, and so the row stride of the
-// scores (kSpanRows per query row).
-constexpr int64_t kMaxSpanBlocks = 2;
-constexpr int64_t kSpanRows = kMaxSpanBlocks * kBlockRows;
-
-// Two blocks to a span where a head's part of a block (its keys and values)
-// is under 32 KiB, one otherwise. One-process A/Bs (2026-11-25): two blocks
-// made B16 H8 D64 BFLOAT16 FAST steps (16 KiB parts) 4-5% faster and FLOAT32
-// D32 steps (16 KiB) 3-4%; over 32 KiB parts they gained nothing, and spans
-// of 64 KiB lost: four BFLOAT16 D64 blocks 11%, two FLOAT32 D128 blocks 2-3%
-// (what a span reads and what comes in meanwhile no longer fit in L1).
-int64_t SpanBlocks(const KvCache& cache) {
-  constexpr int64_t kSmallPartBytes = 32 * 1024;
-  return cache.block_bytes() / cache.kv_heads() < kSmallPartBytes ? 2 : 1;
-}
-
 // A thread's share of one item is at least this many cache blocks (256
 // rows): less would spend more on merging partial results than it saves.
 constexpr int64_t kMinChunkBlocks = 4;
@@ -75,9 +54,9 @@ struct Unit {
   std::vector<int64_t> partial_offset;
 };
 
-// Folds a span's scores s[0, visible) of one query row (already scaled)
+// Folds a block's scores s[0, visible) of one query row (already scaled)
 // into the row's running softmax [m, l, ...] at row_partial and turns s[0, n)
-// into the weights of the span's value rows: exp(s - max) below `visible`,
+// into the weights of the block's value rows: exp(s - max) below `visible`,
 // 0 from there on. Returns the factor the row's weighted sum of values must
 // be multiplied by first (the old max's exponentials rescaled to the new).
 float Prepare(float* s, int64_t visible, int64_t n, float* row_partial) {
@@ -108,19 +87,18 @@ enum class Math { kFloat32, kBFloat16, kBFloat16Dot };
 // each key element loaded once for all of them.
 constexpr int kScoreRows = 4;
 
-// s[r * kSpanRows + j] = scale * q_r . k_j for the `rows` rows q[r] and
-// the block's keys kt (engine/kv_cache.h's layout), j < kBlockRows; n of
-// them are rows of the sequence. q[r] is key_dim floats, or for
-// kBFloat16Dot key_dim rounded up to even bfloat16 (the pad 0). next_k (may
-// be null): the next part's keys, prefetched meanwhile so that the thread
-// keeps memory busy.
+// s[r * kBlockRows + j] = scale * q_r . k_j for the `rows` rows q[r] and
+// the block's keys kt (engine/kv_cache.h's layout); n of them are rows of
+// the sequence. q[r] is key_dim floats, or for kBFloat16Dot key_dim rounded
+// up to even bfloat16 (the pad 0). next_k (may be null): the next block's
+// keys, prefetched meanwhile so that the thread keeps memory busy.
 using ScoresFn = void (*)(const void* const* q, int rows, const void* kt, int64_t n, int64_t d,
                           float scale, float* s, const char* next_k);
-// Prepare for the scores of one row at s: a span's, n of them keys.
+// Prepare for the kBlockRows scores of one row at s (n of them keys).
 using PrepareFn = float (*)(float* s, int64_t visible, int64_t n, float* row_partial);
-// acc[r] = acc[r] * correction[r] + sum_{j < n} p[r * kSpanRows + j] v_j
+// acc[r] = acc[r] * correction[r] + sum_{j < n} p[r * kBlockRows + j] v_j
 // for `rows` rows, over the block's value rows v (dim d): each value row read
-// once for all of them; next_v as next_k. p[r * kSpanRows + j] is 0 for
+// once for all of them; next_v as next_k. p[r * kBlockRows + j] is 0 for
 // j >= n.
 using AccumulateFn = void (*)(const float* p, int rows, float* const* acc,
                               const float* correction, const void* v, int64_t n, int64_t d,
@@ -133,10 +111,10 @@ void GenericScores(const void* const* q, int rows, const void* kt, int64_t n, in
     const float* qr = static_cast<const float*>(q[r]);
     if (kBf16) {
       DotPairedBFloat16(qr, static_cast<const uint16_t*>(kt), kBlockRows, n, d, scale,
-                        s + r * kSpanRows);
+                        s + r * kBlockRows);
     } else {
       DotTransposed(qr, static_cast<const float*>(kt), kBlockRows, n, d, scale,
-                    s + r * kSpanRows);
+                    s + r * kBlockRows);
     }
   }
 }
@@ -147,10 +125,10 @@ void GenericAccumulate(const float* p, int rows, float* const* acc, const float*
   for (int r = 0; r < rows; ++r) {
     if (correction[r] != 1.0f) Scale(acc[r], d, correction[r]);
     if (kBf16) {
-      AccumulatePairedRowsBFloat16(p + r * kSpanRows, static_cast<const uint16_t*>(v), n, d,
+      AccumulatePairedRowsBFloat16(p + r * kBlockRows, static_cast<const uint16_t*>(v), n, d,
                                    acc[r]);
     } else {
-      AccumulateRows(p + r * kSpanRows, static_cast<const float*>(v), n, d, acc[r]);
+      AccumulateRows(p + r * kBlockRows, static_cast<const float*>(v), n, d, acc[r]);
     }
   }
 }
@@ -200,7 +178,7 @@ ATTN_AVX512 inline void ZeroScores(__m512 (&acc)[kRows][4]) {
   }
 }
 
-// s[r * kSpanRows + 16 t + i] = scale * acc[r][t] lane i.
+// s[r * kBlockRows + 16 t + i] = scale * acc[r][t] lane i.
 template <int kRows>
 ATTN_AVX512 inline void StoreScores(const __m512 (&acc)[kRows][4], float scale, float* s) {
   const __m512 sv = _mm512_set1_ps(scale);
@@ -208,7 +186,7 @@ ATTN_AVX512 inline void StoreScores(const __m512 (&acc)[kRows][4], float scale, 
   for (int r = 0; r < kRows; ++r) {
     ATTN_UNROLL
     for (int t = 0; t < 4; ++t) {
-      _mm512_storeu_ps(s + r * kSpanRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
+      _mm512_storeu_ps(s + r * kBlockRows + 16 * t, _mm512_mul_ps(acc[r][t], sv));
     }
   }
 }
@@ -383,48 +361,42 @@ ATTN_AVX512 inline float SumOf(__m512 x) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-// Prepare for kRegs registers of scores (16 x kRegs >= n), with no calls:
-// the exponentials of a grouped-query step are a fifth of its arithmetic.
-template <int kRegs>
-ATTN_AVX512 float Avx512PrepareOf(float* s, int64_t visible, float* row_partial) {
+// Prepare for a whole block (n <= kBlockRows = 64 scores, four registers),
+// with no calls: the exponentials of a grouped-query step are a fifth of its
+// arithmetic.
+ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_partial) {
+  static_assert(kBlockRows == 64);
   float& m = row_partial[0];
   float& l = row_partial[1];
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __mmask16 lanes[kRegs];
-  __m512 x[kRegs];
+  __mmask16 lanes[4];
+  __m512 x[4];
   __m512 block_max = neg_inf;
-  const __m512 old_max = _mm512_set1_ps(m);
-  __mmask16 nan = 0, above = 0;
+  __mmask16 nan = 0;
   ATTN_UNROLL
-  for (int t = 0; t < kRegs; ++t) {
+  for (int t = 0; t < 4; ++t) {
     const int64_t count = std::clamp<int64_t>(visible - 16 * t, 0, 16);
     lanes[t] = static_cast<__mmask16>((uint32_t{1} << count) - 1);
     x[t] = _mm512_loadu_ps(s + 16 * t);
     nan |= _mm512_mask_cmp_ps_mask(lanes[t], x[t], x[t], _CMP_UNORD_Q);
-    above |= _mm512_mask_cmp_ps_mask(lanes[t], x[t], old_max, _CMP_GT_OQ);
     block_max = _mm512_mask_max_ps(block_max, lanes[t], block_max, x[t]);
   }
-  // The lanes' max only where one is above the row's (or NaN): once the
-  // max has settled, most spans have none, and the shuffle tree's chain is
-  // skipped (grouped-query FAST steps 2-3% faster, 2026-11-25).
-  float m_new = m;
-  if ((nan | above) != 0) {
-    const float seen = nan != 0 ? std::numeric_limits<float>::quiet_NaN() : MaxOf(block_max);
-    m_new = std::isnan(seen) || seen > m ? seen : m;
-  }
+  const float seen = nan != 0 ? std::numeric_limits<float>::quiet_NaN()
+                              : MaxOf(block_max);
+  const float m_new = std::isnan(seen) || seen > m ? seen : m;
   if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
     ATTN_UNROLL
-    for (int t = 0; t < kRegs; ++t) _mm512_storeu_ps(s + 16 * t, _mm512_setzero_ps());
+    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + 16 * t, _mm512_setzero_ps());
     return 1.0f;
   }
-  // Once a row's max has settled, most spans leave it unchanged: no exp.
+  // Once a row's max has settled, most blocks leave it unchanged: no exp.
   const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f
                            : m == m_new                                ? 1.0f
                                                                        : std::exp(m - m_new);
   const __m512 shift = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   ATTN_UNROLL
-  for (int t = 0; t < kRegs; ++t) {
+  for (int t = 0; t < 4; ++t) {
     const __m512 p = _mm512_maskz_mov_ps(lanes[t], Exp16(_mm512_sub_ps(x[t], shift)));
     sum = _mm512_add_ps(sum, p);
     _mm512_storeu_ps(s + 16 * t, p);
@@ -432,13 +404,6 @@ ATTN_AVX512 float Avx512PrepareOf(float* s, int64_t visible, float* row_partial)
   l = l * correction + SumOf(sum);
   m = m_new;
   return correction;
-}
-
-// A span's scores: a block's registers (n <= 64), or a whole span's.
-ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t n, float* row_partial) {
-  static_assert(kBlockRows == 64 && kSpanRows == 128);
-  return n <= kBlockRows ? Avx512PrepareOf<4>(s, visible, row_partial)
-                         : Avx512PrepareOf<8>(s, visible, row_partial);
 }
 
 // a[r][k] = chunk c0 + k of row r's sums times correction[r]: an
@@ -486,7 +451,7 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
     for (int k = 0; k < kPass; ++k) vj[k] = _mm512_loadu_ps(reinterpret_cast<const float*>(row + 64 * k));
     ATTN_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const __m512 pj = _mm512_set1_ps(p[r * kSpanRows + j]);
+      const __m512 pj = _mm512_set1_ps(p[r * kBlockRows + j]);
       ATTN_UNROLL
       for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
     }
@@ -513,9 +478,9 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
       const __m512 first_v = FirstOfPairs(x), second_v = SecondOfPairs(x);
       ATTN_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kSpanRows + j]), first_v, a[r][k]);
+        a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows + j]), first_v, a[r][k]);
         if (second) {
-          a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kSpanRows + j + 1]), second_v, a[r][k]);
+          a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows + j + 1]), second_v, a[r][k]);
         }
       }
     }
@@ -538,7 +503,7 @@ ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* 
   __m512 a[kRows][kPass];
   ATTN_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    const float* pr = p + r * kSpanRows;
+    const float* pr = p + r * kBlockRows;
     ATTN_UNROLL
     for (int t = 0; t < kBlockRows / 32; ++t) {
       const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 32 * t + 16), _mm512_loadu_ps(pr + 32 * t));
@@ -654,7 +619,7 @@ void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* 
   const int64_t iterations = kMath == Math::kFloat32 ? n : (n + 1) / 2;
   for (int r = 0; r < rows; r += group) {
     const char* prefetch = next_v == nullptr ? nullptr : next_v + (r / group) * iterations * step;
-    const float* pr = p + r * kSpanRows;
+    const float* pr = p + r * kBlockRows;
     float* const* ar = acc + r;
     const float* cr = correction + r;
     switch (std::min(group, rows - r)) {
@@ -735,7 +700,7 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
                                                        : Math::kBFloat16;
   const BlockKernels kernels = KernelsFor(dv, math);
   // Scores of every query row against one block.
-  alignas(64) float scores[kMaxDecodeRows * kSpanRows];
+  alignas(64) float scores[kMaxDecodeRows * kBlockRows];
   float correction[kMaxDecodeRows];
   thread_local std::vector<ItemRows> states;
   states.resize(static_cast<size_t>(count));
@@ -764,62 +729,38 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
       st.acc[r] = p + 2;
     }
   }
-  // A span of blocks at a time, for each item: the scores of up to
-  // kScoreRows query rows at a time, so a block's keys come from memory once
-  // for the whole group; the softmax step; values likewise, from cache after
-  // the first row.
-  const int64_t span = SpanBlocks(cache);
-  static constexpr auto kOnes = [] {
-    std::array<float, kMaxDecodeRows> ones{};
-    ones.fill(1.0f);
-    return ones;
-  }();
-  for (int64_t first_block = u.first_block; first_block < u.end_block; first_block += span) {
-    const int64_t end_block = std::min(first_block + span, u.end_block);
-    const int64_t first_row = first_block * kBlockRows;
-    const int64_t n = std::min(end_block * kBlockRows, first.keys) - first_row;
+  // Keys: scores of up to kScoreRows query rows at a time, so a block's keys
+  // come from memory once for the whole group; values likewise, from cache
+  // after the first row. Meanwhile the next head's part comes in (the next
+  // block's first head after the last).
+  for (int64_t block = u.first_block; block < u.end_block; ++block) {
+    const int64_t first_row = block * kBlockRows;
+    const int64_t n = std::min(kBlockRows, first.keys - first_row);
     for (int64_t k = 0; k < count; ++k) {
       const DecodeItem& it = items[u.first_item + k];
       ItemRows& st = states[k];
-      // The part that comes in while block b's is read: the next head's
-      // block b, or after the last head the first head's block b + span.
-      const auto next_part = [&](int64_t b) -> std::pair<int64_t, int64_t> {
-        if (k + 1 < count) return {b, items[u.first_item + k + 1].kv_head};
-        if (b + span < u.end_block) return {b + span, first.kv_head};
-        return {-1, 0};
-      };
-      for (int64_t b = first_block; b < end_block; ++b) {
-        const auto [next_block, next_head] = next_part(b);
-        const char* next_k =
-            next_block < 0 ? nullptr
-                           : static_cast<const char*>(cache.KeyBlock(next_block, next_head));
-        const void* kb = cache.KeyBlock(b, it.kv_head);
-        const int64_t nb = std::min(kBlockRows, first.keys - b * kBlockRows);
-        float* s = scores + (b - first_block) * kBlockRows;
-        for (int64_t r = 0; r < rows; r += kScoreRows) {
-          const int c = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
-          kernels.scores(st.q + r, c, kb, nb, dk, it.scale, s + r * kSpanRows,
-                         r == 0 ? next_k : nullptr);
-        }
+      const void* kb = cache.KeyBlock(block, it.kv_head);
+      const void* vb = cache.ValueBlock(block, it.kv_head);
+      const char* next_k = nullptr;
+      const char* next_v = nullptr;
+      if (k + 1 < count || block + 1 < u.end_block) {
+        const int64_t next_block = k + 1 < count ? block : block + 1;
+        const int64_t next_head = items[u.first_item + (k + 1) % count].kv_head;
+        next_k = static_cast<const char*>(cache.KeyBlock(next_block, next_head));
+        next_v = static_cast<const char*>(cache.ValueBlock(next_block, next_head));
+      }
+      for (int64_t r = 0; r < rows; r += kScoreRows) {
+        const int c = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
+        kernels.scores(st.q + r, c, kb, n, dk, it.scale, scores + r * kBlockRows,
+                       r == 0 ? next_k : nullptr);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r % it.query_len;
         int64_t visible = n;
         if (it.causal) visible = std::min(n, i + it.keys - it.query_len - first_row + 1);
-        correction[r] =
-            kernels.prepare(scores + r * kSpanRows, visible, n, st.partial + r * (dv + 2));
+        correction[r] = kernels.prepare(scores + r * kBlockRows, visible, n, st.partial + r * (dv + 2));
       }
-      for (int64_t b = first_block; b < end_block; ++b) {
-        const auto [next_block, next_head] = next_part(b);
-        const char* next_v =
-            next_block < 0 ? nullptr
-                           : static_cast<const char*>(cache.ValueBlock(next_block, next_head));
-        const int64_t nb = std::min(kBlockRows, first.keys - b * kBlockRows);
-        // The span's correction once, with its first block's values.
-        kernels.accumulate(scores + (b - first_block) * kBlockRows, static_cast<int>(rows), st.acc,
-                           b == first_block ? correction : kOnes.data(),
-                           cache.ValueBlock(b, it.kv_head), nb, dv, next_v);
-      }
+      kernels.accumulate(scores, static_cast<int>(rows), st.acc, correction, vb, n, dv, next_v);
     }
   }
   if (!u.with_tail) return;
