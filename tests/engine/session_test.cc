@@ -405,6 +405,52 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
   internal::UsePortableDecodeKernelsForTesting(false);
 }
 
+// Steps of four causal rows through the decode kernel, whose last visible
+// keys fall before a block boundary, on it and after it (the rows of one
+// step seeing different numbers of a block's keys, some none of the last
+// block's), for both storage types and precision FAST.
+TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
+  for (bool portable : {false, true}) {
+    internal::UsePortableDecodeKernelsForTesting(portable);
+    for (int64_t cached : {58, 62, 124, 126, 190, 250}) {
+      for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+        for (bool fast : {false, true}) {
+          if (fast && dtype == DType::kFloat32) continue;
+          SCOPED_TRACE(absl::StrCat(portable ? "portable " : "", cached, " cached rows ",
+                                    DTypeName(dtype), fast ? " FAST" : ""));
+          const int64_t kv_heads = 2, group = 2, dim = 32, rows = 4;
+          auto cache = NewCache(kv_heads, dim, dim, dtype);
+          const Input k0 = Random({1, kv_heads, cached, dim}, 160),
+                      v0 = Random({1, kv_heads, cached, dim}, 161);
+          ASSERT_THAT(cache->Append(cached, k0.values.data(), dim, cached * dim, v0.values.data(),
+                                    dim, cached * dim),
+                      IsOk());
+          cache->Commit();
+          const Input q = Random({1, kv_heads * group, rows, dim}, 162),
+                      k = Random({1, kv_heads, rows, dim}, 163),
+                      v = Random({1, kv_heads, rows, dim}, 164);
+          AttentionArgs args;
+          args.query = q.view();
+          args.key = k.view();
+          args.value = v.view();
+          args.mask.causal = Causal::kBottomRight;
+          args.fast = fast;
+          absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
+          ASSERT_THAT(got, IsOk());
+          AttentionArgs exact = args;
+          exact.fast = false;
+          absl::StatusOr<AttentionResult> want = StatelessOverStored(exact, k0, v0, k, v, dtype);
+          ASSERT_THAT(want, IsOk());
+          // FAST rounds the query and the weights to bfloat16 (see below).
+          ExpectNear(Values(got->output.data), Values(want->output.data), fast ? 2e-3f : 2e-5f,
+                     "output");
+        }
+      }
+    }
+  }
+  internal::UsePortableDecodeKernelsForTesting(false);
+}
+
 // Precision FAST over a BFLOAT16 cache: bf16 dot products (the query and
 // the weights rounded to bfloat16) where the CPU has them, within bfloat16's
 // rounding of the exact answer over the same cached rows; odd dims and an odd
