@@ -145,7 +145,7 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
   return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// Start bringing bytes at p (whole cache lines) in while the thread
+// Start bringing the bytes at p (whole cache lines) in while the thread
 // computes: the next block's part, a slice at a time (without it, steps
 // read 15-30% less of the memory probe's bandwidth). Non-temporal: a step
 // reads each cached row once, so its lines need not displace what the
@@ -160,9 +160,9 @@ ATTN_AVX512 inline void Prefetch(const char* p) {
 }
 
 // A count of bytes known only at run time (a value kernel's slice per row),
-// in a loop left rolled: GCC's unrolled form of it was a
-// chain of compares and branches per value row, which cost B16 H8 D64 steps
-// about 5% and grouped-query steps 3-9% (2026-11-25).
+// in a loop left rolled: GCC's unrolled form of it was a chain of compares
+// and branches per value row, which cost B16 H8 D64 steps about 5% and
+// grouped-query steps 3-9% (2026-11-25).
 ATTN_AVX512 inline void PrefetchSlice(const char* p, int64_t bytes) {
   _Pragma("GCC unroll 1")
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_NTA);
