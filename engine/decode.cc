@@ -824,6 +824,13 @@ bool SameSession(const DecodeItem& a, const DecodeItem& b) {
 
 }  // namespace
 
+int64_t DecodeUnitsPerSession(int64_t sessions, int threads) {
+  if (threads <= 1 || sessions < 1) return 1;
+  int64_t units = (4 * static_cast<int64_t>(threads) + sessions - 1) / sessions;
+  while (units * sessions % threads != 0) ++units;  // at most until units == threads
+  return units;
+}
+
 void RunDecode(absl::Span<const DecodeItem> items, int threads) {
   if (items.empty()) return;
   double bytes = 0;
@@ -840,12 +847,10 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
   }
   const int64_t sessions = static_cast<int64_t>(session_start.size());
   session_start.push_back(n);
-  // Enough units for every thread to stay busy to the end of the pass
-  // (sessions differ in length): a session's blocks split into ranges of at
-  // least kMinChunkBlocks blocks, and where a cache is too short for enough
-  // of them, its heads split too.
-  const int64_t target_units = threads == 1 ? 1 : 4 * static_cast<int64_t>(threads);
-  const int64_t units_wanted = (target_units + sessions - 1) / sessions;
+  // A session's blocks split into ranges of at least kMinChunkBlocks
+  // blocks, and where a cache is too short for enough of them, its heads
+  // split too.
+  const int64_t units_wanted = DecodeUnitsPerSession(sessions, threads);
   // Item k's partials: chunks[k] of them, rows * (value_dim + 2) floats
   // each, from partial_offset[k].
   std::vector<int64_t> chunks(items.size()), partial_offset(items.size());

@@ -50,6 +50,15 @@ inline constexpr int64_t kMaxDecodeRows = 64;
 // that sees no key gets a zero output, as the other paths give.
 void RunDecode(absl::Span<const DecodeItem> items, int threads);
 
+// How many units (ranges of a session's blocks, or of its heads) RunDecode
+// wants of each of `sessions` sessions, on `threads` threads: at least four
+// per thread in all, so that every thread stays busy to the end of the pass
+// when sessions differ in length, and a multiple of the threads, so that
+// sessions of one length end level (one unit each of 9 sessions on 2
+// threads ran 5 and 4; docs/benchmarks.md, "Sessions", has what splitting
+// them gained). A cache too short to split gets fewer.
+int64_t DecodeUnitsPerSession(int64_t sessions, int threads);
+
 // Tests: true makes RunDecode use its portable loops on every CPU.
 void UsePortableDecodeKernelsForTesting(bool portable);
 

@@ -196,6 +196,8 @@ std::vector<float> RandomFloats(size_t n, uint32_t seed) {
 struct Shape {
   const char* name;
   int64_t batch, heads, kv_heads, keys, dim;
+  // An issue target's shape (PASS / MISS), or shown beside them.
+  bool target = true;
 };
 
 // Sessions of `s.keys - 1` rows each in caches of `dtype`, and their
@@ -320,7 +322,10 @@ int Main(int argc, char** argv) {
       quick ? std::vector<Shape>{{"B4 H8 S=2048 D64", 4, 8, 8, 2048, 64}}
             : std::vector<Shape>{{"B1 H32 S=32768 D128", 1, 32, 32, 32768, 128},
                                  {"B16 H8 S=4096 D64", 16, 8, 8, 4096, 64},
-                                 {"B1 H32 Hk8 S=8192 D128", 1, 32, 8, 8192, 128}};
+                                 {"B1 H32 Hk8 S=8192 D128", 1, 32, 8, 8192, 128},
+                                 // Sessions that do not divide among the threads
+                                 // (engine/decode.h, DecodeUnitsPerSession).
+                                 {"B9 H8 S=4096 D64", 9, 8, 8, 4096, 64, false}};
   bool ok = true;
   auto verdict = [&](bool pass) {
     ok &= pass;
@@ -381,7 +386,7 @@ int Main(int argc, char** argv) {
     const bool have_peak = Median(peak) > 0;
     row("FLOAT32", t_f32, f32.bytes_per_step(), f32_vs_probe,
         have_peak ? text("%.2fx", Median(f32_peak)).c_str() : "",
-        verdict(Median(f32_vs_probe) >= kDecodeBandwidthRatio), "");
+        s.target ? verdict(Median(f32_vs_probe) >= kDecodeBandwidthRatio) : "", "");
     // BFLOAT16 with float32 math (precision EXACT), and with bf16 dot
     // products (precision FAST): the target is the speed a caller who picks
     // the smaller cache for speed gets, FAST; EXACT is shown beside it.
@@ -389,7 +394,8 @@ int Main(int argc, char** argv) {
         have_peak ? text("%.2fx", Median(bf16_peak)).c_str() : "", "",
         text("%.2fx", Median(bf16_up)).c_str());
     row("BF16 FAST", t_fast, bf16.bytes_per_step(), fast_vs_probe, "",
-        verdict(Median(fast_up) >= kBFloat16SpeedUp), text("%.2fx", Median(fast_up)).c_str());
+        s.target ? verdict(Median(fast_up) >= kBFloat16SpeedUp) : "",
+        text("%.2fx", Median(fast_up)).c_str());
   }
   const int64_t prefill = quick ? 1024 : 4096;
   const PrefillFigures p = Prefill(*engine, 8, prefill, 64, kRounds);

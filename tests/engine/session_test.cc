@@ -405,6 +405,80 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
   internal::UsePortableDecodeKernelsForTesting(false);
 }
 
+// Sessions whose count does not divide among two threads: each session's
+// blocks split in two (9 sessions), or its blocks and its heads (3), and
+// every session's answer is still its own stateless call's.
+TEST_P(SessionTest, DecodeKernelSplitsSessionsThatDoNotDivideAmongThreads) {
+  EngineOptions options;
+  options.backend = GetParam();
+  options.threads = 2;
+  std::unique_ptr<Engine> two = std::move(Engine::Create(options)).value();
+  for (int64_t batch : {3, 9}) {
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      SCOPED_TRACE(absl::StrCat(batch, " sessions ", DTypeName(dtype)));
+      // 10 blocks each: long enough to be worth two threads and to split.
+      const int64_t kv_heads = 2, group = 2, dim = 32, cached = 600;
+      std::vector<std::unique_ptr<KvCache>> caches;
+      std::vector<Input> k0, v0;
+      SessionCall session;
+      for (int64_t b = 0; b < batch; ++b) {
+        caches.push_back(NewCache(kv_heads, dim, dim, dtype));
+        k0.push_back(Random({1, kv_heads, cached, dim}, static_cast<uint32_t>(170 + 2 * b)));
+        v0.push_back(Random({1, kv_heads, cached, dim}, static_cast<uint32_t>(171 + 2 * b)));
+        ASSERT_THAT(caches[b]->Append(cached, k0[b].values.data(), dim, cached * dim,
+                                      v0[b].values.data(), dim, cached * dim),
+                    IsOk());
+        caches[b]->Commit();
+        session.caches.push_back(caches[b].get());
+      }
+      const Input q = Random({batch, kv_heads * group, 1, dim}, 190),
+                  k = Random({batch, kv_heads, 1, dim}, 191),
+                  v = Random({batch, kv_heads, 1, dim}, 192);
+      AttentionArgs args;
+      args.query = q.view();
+      args.key = k.view();
+      args.value = v.view();
+      EngineCall call{&args, nullptr};
+      call.session = &session;
+      absl::StatusOr<AttentionResult> got = std::move(two->AttendBatch({&call, 1}).front());
+      for (KvCache* c : session.caches) c->Rollback();
+      ASSERT_THAT(got, IsOk());
+      const std::vector<float> out = Values(got->output.data);
+      const int64_t per_row = kv_heads * group * dim;
+      for (int64_t b = 0; b < batch; ++b) {
+        AttentionArgs one = args;
+        const Input qb = Row(q, b);
+        one.query = qb.view();
+        absl::StatusOr<AttentionResult> want =
+            StatelessOverStored(one, k0[b], v0[b], Row(k, b), Row(v, b), dtype);
+        ASSERT_THAT(want, IsOk());
+        ExpectNear({out.begin() + b * per_row, out.begin() + (b + 1) * per_row},
+                   Values(want->output.data), 2e-5f, absl::StrCat("session ", b));
+      }
+    }
+  }
+}
+
+// The rule behind it: at least four units per thread in all, and a
+// multiple of the threads, the fewest per session that give both.
+TEST(DecodeUnitsTest, EqualSessionsEndLevelOnEveryThread) {
+  for (int threads = 1; threads <= 8; ++threads) {
+    for (int64_t sessions = 1; sessions <= 40; ++sessions) {
+      SCOPED_TRACE(absl::StrCat(sessions, " sessions, ", threads, " threads"));
+      const int64_t units = internal::DecodeUnitsPerSession(sessions, threads);
+      auto fits = [&](int64_t u) {
+        return threads == 1 || (u * sessions >= 4 * threads && u * sessions % threads == 0);
+      };
+      EXPECT_TRUE(fits(units));
+      EXPECT_TRUE(units == 1 || !fits(units - 1));
+    }
+  }
+  EXPECT_EQ(internal::DecodeUnitsPerSession(9, 2), 2);
+  EXPECT_EQ(internal::DecodeUnitsPerSession(16, 2), 1);
+  EXPECT_EQ(internal::DecodeUnitsPerSession(3, 2), 4);
+  EXPECT_EQ(internal::DecodeUnitsPerSession(1, 2), 8);
+}
+
 // Steps of four causal rows through the decode kernel, whose last visible
 // keys fall before a block boundary, on it and after it (the rows of one
 // step seeing different numbers of a block's keys, some none of the last
