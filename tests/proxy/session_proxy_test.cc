@@ -14,7 +14,8 @@
 //      kept rows, and every step's output equals the run without the
 //      failure; sessions on the other replicas are never recreated or moved.
 //   4. A replica stopped with SIGTERM (scale-in) mid-run: the same, and the
-//      replica exits 0 after its drain.
+//      replica exits 0 after its drain. (A step that reaches it as gRPC shuts
+//      down is CANCELLED, rarely: sent again, as UNAVAILABLE is.)
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -228,6 +229,7 @@ struct Decoder {
   std::vector<std::vector<float>> outputs;
   std::vector<std::string> replicas;
   int unavailable_retries = 0;
+  int cancelled_retries = 0;
 };
 
 class SessionProxyTest : public ::testing::Test {
@@ -341,7 +343,10 @@ class SessionProxyTest : public ::testing::Test {
       const int rows = i == 0 ? kPrefill : 1;
       // A step the proxy could not deliver (the replica died under it, and
       // HAProxy has not noticed yet) is UNAVAILABLE and changed nothing: a
-      // decoder sends it again.
+      // decoder sends it again. Once a replica is stopping, so is a step
+      // that reached it as gRPC shut down, before the service took it:
+      // CANCELLED (docs/sessions.md). Had either changed anything, the step
+      // sent again would be ABORTED, or its output differ from the clean run's.
       for (int attempt = 0;; ++attempt) {
         absl::StatusOr<v1::AttendResponse> answer =
             d.session->Step(Rows(s, first, rows, 0), Rows(s, first, rows, 1), Rows(s, first, rows, 2));
@@ -350,13 +355,16 @@ class SessionProxyTest : public ::testing::Test {
           d.replicas.push_back(d.session->replica());
           break;
         }
-        if (answer.status().code() != absl::StatusCode::kUnavailable || attempt == 20) {
+        const absl::StatusCode code = answer.status().code();
+        const bool retry = code == absl::StatusCode::kUnavailable ||
+                           (code == absl::StatusCode::kCancelled && fired.load());
+        if (!retry || attempt == 20) {
           ADD_FAILURE() << Id(s) << " step " << i << ": " << answer.status();
           d.outputs.emplace_back();
           d.replicas.emplace_back();
           break;
         }
-        ++d.unavailable_retries;
+        ++(code == absl::StatusCode::kCancelled ? d.cancelled_retries : d.unavailable_retries);
         absl::SleepFor(absl::Milliseconds(250));
       }
       if (++answered == half && during && !fired.exchange(true)) during();
@@ -415,12 +423,13 @@ class SessionProxyTest : public ::testing::Test {
         static_cast<int>(std::max_element(created.begin(), created.end()) - created.begin());
     const std::vector<Decoder> run = Run([&] { stop(replicas_[victim]); });
     ASSERT_FALSE(HasFailure());
-    int recreated = 0, retries = 0;
+    int recreated = 0, retries = 0, cancelled = 0;
     for (int s = 0; s < kSessions; ++s) {
       const Decoder& d = run[s];
       const int home = ReplicaIndex(d.replicas.front());
       EXPECT_EQ(home, Homes(clean)[s]) << Id(s) << ": created elsewhere than in the clean run";
       retries += d.unavailable_retries;
+      cancelled += d.cancelled_retries;
       if (home != victim) {
         EXPECT_EQ(d.session->recreations(), 0) << Id(s);
         for (const std::string& r : d.replicas) EXPECT_EQ(ReplicaIndex(r), home) << Id(s);
@@ -435,8 +444,8 @@ class SessionProxyTest : public ::testing::Test {
       for (auto it = moved; it != d.replicas.end(); ++it) EXPECT_EQ(*it, last) << Id(s);
     }
     std::printf("%s stopped mid-run: %d of its %d sessions recreated on the others; "
-                "%d step retries after UNAVAILABLE\n",
-                replicas_[victim].name.c_str(), recreated, created[victim], retries);
+                "%d step retries after UNAVAILABLE, %d after CANCELLED\n",
+                replicas_[victim].name.c_str(), recreated, created[victim], retries, cancelled);
     ExpectSameOutputs(run, clean);
   }
 
