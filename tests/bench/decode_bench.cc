@@ -75,13 +75,15 @@ double TimePerCall(F f, int rounds, double min_seconds) {
 // Seconds per call of each of `fns`, called in turn (one call each, round
 // and round) until every one has run for at least `min_seconds` in all: on
 // a shared machine, a neighbour's load then falls on all of them alike.
+// `before` runs, untimed, before every call.
 std::vector<double> TimeInterleaved(const std::vector<std::function<void()>>& fns,
-                                    double min_seconds) {
+                                    const std::function<void()>& before, double min_seconds) {
   for (const auto& f : fns) f();  // warm-up
   std::vector<double> spent(fns.size(), 0.0);
   std::vector<int> calls(fns.size(), 0);
   while (*std::min_element(spent.begin(), spent.end()) < min_seconds) {
     for (size_t i = 0; i < fns.size(); ++i) {
+      before();
       const absl::Time start = absl::Now();
       fns[i]();
       spent[i] += absl::ToDoubleSeconds(absl::Now() - start);
@@ -113,8 +115,14 @@ class ReadProbe {
   }
   size_t bytes() const { return buffer_.size() * sizeof(uint64_t); }
   // Reads the whole buffer once.
-  void Pass() {
-    const size_t n = buffer_.size();
+  void Pass() { Read(buffer_.size()); }
+  // Reads the buffer's first 96 MiB, three times the CPU's L3: whatever a
+  // step read before is then out of the CPU's caches.
+  void Evict() { Read(std::min(buffer_.size(), (size_t{96} << 20) / sizeof(uint64_t))); }
+
+ private:
+  // Words [0, n), each thread its share.
+  void Read(size_t n) {
     uint64_t total = 0;
 #pragma omp parallel num_threads(threads_) reduction(+ : total)
     {
@@ -125,7 +133,6 @@ class ReadProbe {
     sink_ = sink_ + total;
   }
 
- private:
   std::vector<uint64_t> buffer_;
   const int threads_;
   volatile uint64_t sink_ = 0;
@@ -355,7 +362,7 @@ int Main(int argc, char** argv) {
       const std::vector<double> t = TimeInterleaved(
           {[&] { probe.Pass(); }, [&] { fma.Pass(); }, [&] { f32.Step(*engine, false); },
            [&] { bf16.Step(*engine, false); }, [&] { bf16.Step(*engine, true); }},
-          0.2);
+          [&] { probe.Evict(); }, 0.2);
       bandwidth.push_back(static_cast<double>(probe.bytes()) / t[0]);
       peak.push_back(fma.available() ? fma.multiply_adds_per_pass() / t[1] : 0);
       t_f32.push_back(t[2]);
