@@ -695,9 +695,9 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   // length, rows and precision (RunDecode groups them so).
   const int64_t rows = first.group * first.query_len;
   const int64_t count = u.end_item - u.first_item;
-  const Math math = cache.dtype() == DType::kFloat32 ? Math::kFloat32
-                    : first.fast                       ? Math::kBFloat16Dot
-                                                       : Math::kBFloat16;
+  const Math math = cache.dtype() == DType::kFloat32                  ? Math::kFloat32
+                    : first.fast && rows >= kMinDotProductRows ? Math::kBFloat16Dot
+                                                                       : Math::kBFloat16;
   const BlockKernels kernels = KernelsFor(dv, math);
   // Scores of every query row against one block.
   alignas(64) float scores[kMaxDecodeRows * kBlockRows];

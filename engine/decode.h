@@ -37,11 +37,19 @@ struct DecodeItem {
   float scale = 1.0f;
   // BOTTOM_RIGHT: query row i sees cached keys j <= i + keys - query_len.
   bool causal = false;
-  // Precision FAST: over a BFLOAT16 cache, on CPUs with avx512_bf16, bf16
-  // dot products (the query and the softmax weights rounded to bfloat16,
-  // float32 sums); float32 math otherwise.
+  // Precision FAST: over a BFLOAT16 cache, on CPUs with avx512_bf16, and
+  // for at least kMinDotProductRows query rows (group x query_len), bf16 dot
+  // products (the query and the softmax weights rounded to bfloat16, float32
+  // sums); float32 math otherwise.
   bool fast = false;
 };
+
+// Below this many query rows per key/value head, FAST computes in float32:
+// the bf16 dot products were the slower of the two there. Cold steps over
+// BFLOAT16 caches (one process, alternating, 2026-11-26): float32 math 9%
+// faster for one row (B16 H8 D64 and B1 H32 D128), 8% for two, and 3%
+// slower for four (grouped-query H32 Hk8 D128).
+inline constexpr int64_t kMinDotProductRows = 4;
 
 // Most query rows (group x query_len) of one item.
 inline constexpr int64_t kMaxDecodeRows = 64;

@@ -526,8 +526,10 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
 }
 
 // Precision FAST over a BFLOAT16 cache: bf16 dot products (the query and
-// the weights rounded to bfloat16) where the CPU has them, within bfloat16's
-// rounding of the exact answer over the same cached rows; odd dims and an odd
+// the weights rounded to bfloat16) where the CPU has them and the step has
+// kMinDotProductRows query rows per key/value head, within bfloat16's
+// rounding of the exact answer over the same cached rows; with fewer rows,
+// float32 math, bit-equal to the same step under EXACT. Odd dims and an odd
 // last block included.
 TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
   const bool dot_products = __builtin_cpu_supports("avx512bf16");
@@ -535,13 +537,16 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
     for (int64_t group : {1, 4}) {
       SCOPED_TRACE(absl::StrCat("D", dim, " group ", group));
       const int64_t kv_heads = 2, keys = 600;  // 600 + 1 rows: the last block's 25th row
+      // The same rows in two caches: one steps under FAST, the other EXACT.
       auto cache = NewCache(kv_heads, dim, dim, DType::kBFloat16);
+      auto twin = NewCache(kv_heads, dim, dim, DType::kBFloat16);
       const Input k0 = Random({1, kv_heads, keys, dim}, 150), v0 = Random({1, kv_heads, keys, dim}, 151);
       AttentionArgs args;
       args.query = k0.view();
       args.key = k0.view();
       args.value = v0.view();
       ASSERT_THAT(Step(args, {cache.get()}), IsOk());
+      ASSERT_THAT(Step(args, {twin.get()}), IsOk());
       const Input q = Random({1, kv_heads * group, 1, dim}, 152),
                   k = Random({1, kv_heads, 1, dim}, 153), v = Random({1, kv_heads, 1, dim}, 154);
       args.query = q.view();
@@ -561,9 +566,12 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
       // The query and the weights rounded by up to 2^-9 relative: here up to
       // 5e-4 on outputs that average N(0, 1) values.
       EXPECT_LE(worst, 2e-3f);
-      // Bit-equal would mean float32 math ran: only on CPUs without bf16 dot products.
-      if (dot_products) {
-        EXPECT_GT(worst, 0.0f);
+      absl::StatusOr<AttentionResult> exact_step = Step(exact, {twin.get()});
+      ASSERT_THAT(exact_step, IsOk());
+      if (dot_products && group >= internal::kMinDotProductRows) {
+        EXPECT_NE(g, Values(exact_step->output.data)) << "bf16 dot products did not run";
+      } else {
+        EXPECT_EQ(g, Values(exact_step->output.data)) << "float32 math did not run";
       }
     }
   }
