@@ -45,10 +45,8 @@ struct DecodeItem {
 };
 
 // Below this many query rows per key/value head, FAST computes in float32:
-// the bf16 dot products were the slower of the two there. Cold steps over
-// BFLOAT16 caches (one process, alternating, 2026-11-26): float32 math 9%
-// faster for one row (B16 H8 D64 and B1 H32 D128), 8% for two, and 3%
-// slower for four (grouped-query H32 Hk8 D128).
+// there the bf16 dot products were the slower of the two (docs/benchmarks.md,
+// "Sessions", has the measurements).
 inline constexpr int64_t kMinDotProductRows = 4;
 
 // Most query rows (group x query_len) of one item.

@@ -13,7 +13,8 @@
 // for most of the peak, the kernel is bound by arithmetic, not memory.
 // Each figure is the median of 7 rounds, each of which calls the probes and
 // every step of a shape in turn, round and round (so a ratio compares times
-// taken over the same second on the shared machine). Prints a table and
+// taken over the same second on the shared machine), each call starting
+// with the CPU's caches emptied of its data. Prints a table and
 // "PASS" / "MISS" per target; with --enforce exits 1 on a miss. Timed, so
 // not a unit test: `bash deploy/bench.sh decode` runs it.
 //
@@ -346,8 +347,8 @@ int Main(int argc, char** argv) {
   MultiplyAddProbe fma(threads);
   std::printf("%d rounds per shape, each calling in turn, for at least 0.2 s each: the "
               "memory-read probe\n(%d threads streaming 1 GiB), a multiply-add probe (%d "
-              "threads of independent 16-lane FMAs)\nand each step; medians of the rounds' "
-              "ratios\n",
+              "threads of independent 16-lane FMAs)\nand each step, each call after an untimed "
+              "96 MiB read; medians of the rounds' ratios\n",
               kRounds, threads, threads);
   std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
