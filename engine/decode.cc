@@ -147,16 +147,18 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
 
 // Start bringing the bytes at p (whole cache lines) in while the thread
 // computes: the next block's part, a slice at a time (without it, steps
-// read 15-30% less of the memory probe's bandwidth). Non-temporal: a step
-// reads each cached row once, so its lines need not displace what the
-// server's other work keeps in L2 and L3; T0 and T1 measured the same
-// within noise.
+// read 15-30% less of the memory probe's bandwidth). Into L2 (T1): on an
+// Intel host non-temporal prefetches (NTA) were lost before their rows
+// were read, and every step read half as fast (0.43x of the probe where T1
+// read 1.3x of the same probe); T0 read FLOAT32 caches about 10% slower
+// than T1 there (docs/benchmarks.md, "Sessions"). On an AMD host all three
+// read alike.
 //
 // kBytes known at compile time (a key kernel's row): unrolled.
 template <int64_t kBytes>
 ATTN_AVX512 inline void Prefetch(const char* p) {
   ATTN_UNROLL
-  for (int64_t off = 0; off < kBytes; off += 64) _mm_prefetch(p + off, _MM_HINT_NTA);
+  for (int64_t off = 0; off < kBytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 // A count of bytes known only at run time (a value kernel's slice per row),
@@ -165,7 +167,7 @@ ATTN_AVX512 inline void Prefetch(const char* p) {
 // grouped-query steps 3-9% (2026-11-25).
 ATTN_AVX512 inline void PrefetchSlice(const char* p, int64_t bytes) {
   _Pragma("GCC unroll 1")
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_NTA);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 // A scores kernel's kRows x 4 registers of sums, zeroed.
