@@ -13,12 +13,14 @@
 // for most of the peak, the kernel is bound by arithmetic, not memory.
 // Each figure is the median of 7 rounds, each of which calls the probes and
 // every step of a shape in turn, round and round (so a ratio compares times
-// taken over the same second on the shared machine), each call starting
-// with the CPU's caches emptied of its data. Prints a table and
+// taken over the same second on the shared machine), each call but the
+// multiply-add probe's starting with its data flushed from the CPU's caches. Prints a table and
 // "PASS" / "MISS" per target; with --enforce exits 1 on a miss. Timed, so
 // not a unit test: `bash deploy/bench.sh decode` runs it.
 //
-//   decode_bench [--enforce] [--quick]   --quick: smaller shapes (a smoke run)
+//   decode_bench [--enforce] [--quick] [--only TEXT]
+//     --quick: smaller shapes (a smoke run); --only: the decode shapes whose
+//     name contains TEXT, no prefill ("prefill": the prefill only)
 
 #include <omp.h>
 
@@ -73,20 +75,24 @@ double TimePerCall(F f, int rounds, double min_seconds) {
   return Median(per_call);
 }
 
+// A timed call and what runs, untimed, before each call of it.
+struct Timed {
+  std::function<void()> call;
+  std::function<void()> before = [] {};
+};
+
 // Seconds per call of each of `fns`, called in turn (one call each, round
 // and round) until every one has run for at least `min_seconds` in all: on
 // a shared machine, a neighbour's load then falls on all of them alike.
-// `before` runs, untimed, before every call.
-std::vector<double> TimeInterleaved(const std::vector<std::function<void()>>& fns,
-                                    const std::function<void()>& before, double min_seconds) {
-  for (const auto& f : fns) f();  // warm-up
+std::vector<double> TimeInterleaved(const std::vector<Timed>& fns, double min_seconds) {
+  for (const Timed& f : fns) f.call();  // warm-up
   std::vector<double> spent(fns.size(), 0.0);
   std::vector<int> calls(fns.size(), 0);
   while (*std::min_element(spent.begin(), spent.end()) < min_seconds) {
     for (size_t i = 0; i < fns.size(); ++i) {
-      before();
+      fns[i].before();
       const absl::Time start = absl::Now();
-      fns[i]();
+      fns[i].call();
       spent[i] += absl::ToDoubleSeconds(absl::Now() - start);
       ++calls[i];
     }
@@ -95,11 +101,57 @@ std::vector<double> TimeInterleaved(const std::vector<std::function<void()>>& fn
   return spent;
 }
 
-// Sums 64-bit words with eight independent accumulators: integer adds of
-// one cycle each, so the loop waits on memory only.
+// A span of memory: its first byte and its size.
+struct Bytes {
+  const void* data;
+  size_t size;
+};
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("clflushopt"))) void FlushLines(uintptr_t first, uintptr_t end) {
+  for (uintptr_t line = first; line < end; line += 64) {
+    _mm_clflushopt(reinterpret_cast<void*>(line));
+  }
+}
+#endif
+
+// Writes `spans` back to memory and drops them from every level of the
+// CPU's caches, on `threads` threads, each a share of every span: the next
+// read of them comes from memory, whatever the size of the caches (a read
+// of three times the L3 in between did that on one machine, and not on the
+// next, whose L3 held 300 MiB). A no-op where x86's cache-line flush is
+// missing.
+void Flush(const std::vector<Bytes>& spans, int threads) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool clflushopt = __builtin_cpu_supports("clflushopt");
+  if (!clflushopt) return;
+#pragma omp parallel num_threads(threads)
+  {
+    const uintptr_t t = static_cast<uintptr_t>(omp_get_thread_num());
+    const uintptr_t n = static_cast<uintptr_t>(omp_get_num_threads());
+    for (const Bytes& span : spans) {
+      const uintptr_t first = reinterpret_cast<uintptr_t>(span.data) / 64;
+      const uintptr_t lines = (reinterpret_cast<uintptr_t>(span.data) + span.size + 63) / 64 - first;
+      FlushLines((first + lines * t / n) * 64, (first + lines * (t + 1) / n) * 64);
+    }
+  }
+  _mm_sfence();
+#else
+  (void)spans, (void)threads;
+#endif
+}
+
+// Sums 64-bit words with eight independent accumulators (integer adds of
+// one cycle each, so the loop waits on memory only), prefetching 8 KiB
+// ahead into L2: a plain loop leaves the reads to the hardware's
+// prefetchers, and on one machine read 15-17 GB/s where this read 22-24
+// and the decode kernel (which prefetches) 20-22: a bar the kernel cleared
+// by 1.4x measured the loop, not the memory.
 uint64_t SumWords(const uint64_t* p, size_t n) {
+  constexpr size_t kAhead = 8192 / sizeof(uint64_t);
   uint64_t a[8] = {};
   for (size_t i = 0; i + 8 <= n; i += 8) {
+    if (i + kAhead < n) __builtin_prefetch(p + i + kAhead, 0, 2);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) a[j] += p[i + j];  // unrolled: the sums stay in registers
   }
@@ -116,14 +168,8 @@ class ReadProbe {
   }
   size_t bytes() const { return buffer_.size() * sizeof(uint64_t); }
   // Reads the whole buffer once.
-  void Pass() { Read(buffer_.size()); }
-  // Reads the buffer's first 96 MiB, three times the CPU's L3: whatever a
-  // step read before is then out of the CPU's caches.
-  void Evict() { Read(std::min(buffer_.size(), (size_t{96} << 20) / sizeof(uint64_t))); }
-
- private:
-  // Words [0, n), each thread its share.
-  void Read(size_t n) {
+  void Pass() {
+    const size_t n = buffer_.size();
     uint64_t total = 0;
 #pragma omp parallel num_threads(threads_) reduction(+ : total)
     {
@@ -133,7 +179,10 @@ class ReadProbe {
     }
     sink_ = sink_ + total;
   }
+  // Out of the CPU's caches.
+  void Flush() { attention::Flush({{buffer_.data(), bytes()}}, threads_); }
 
+ private:
   std::vector<uint64_t> buffer_;
   const int threads_;
   volatile uint64_t sink_ = 0;
@@ -250,6 +299,18 @@ class Decoder {
 
   double bytes_per_step() const { return bytes_per_step_; }
 
+  // Every cached block out of the CPU's caches: the next step reads its
+  // cache from memory, as a step of one of a server's many sessions does.
+  void Flush(int threads) const {
+    std::vector<Bytes> blocks;
+    for (const auto& c : caches_) {
+      for (int64_t b = 0; b < c->blocks(); ++b) {
+        blocks.push_back({c->KeyBlock(b, 0), static_cast<size_t>(c->block_bytes())});
+      }
+    }
+    attention::Flush(blocks, threads);
+  }
+
   // One step (`fast`: precision FAST), computed on this thread, as the
   // server's scheduler computes its batches: the probes' OpenMP team is then
   // the step's. Through the engine's worker thread, a second team's threads
@@ -314,13 +375,16 @@ PrefillFigures Prefill(const Engine& engine, int64_t heads, int64_t keys, int64_
 
 int Main(int argc, char** argv) {
   bool enforce = false, quick = false;
+  const char* only = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--enforce") == 0) {
       enforce = true;
     } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+      only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: decode_bench [--enforce] [--quick]\n");
+      std::fprintf(stderr, "usage: decode_bench [--enforce] [--quick] [--only TEXT]\n");
       return 2;
     }
   }
@@ -346,13 +410,15 @@ int Main(int argc, char** argv) {
   ReadProbe probe(size_t{1} << 30, threads);
   MultiplyAddProbe fma(threads);
   std::printf("%d rounds per shape, each calling in turn, for at least 0.2 s each: the "
-              "memory-read probe\n(%d threads streaming 1 GiB), a multiply-add probe (%d "
-              "threads of independent 16-lane FMAs)\nand each step, each call after an untimed "
-              "96 MiB read; medians of the rounds' ratios\n",
+              "memory-read probe\n(%d threads streaming 1 GiB, prefetching), a multiply-add probe (%d "
+              "threads of independent 16-lane FMAs)\nand each step, the probe and the steps each "
+              "starting with its data flushed from the CPU's caches;\nmedians of the rounds' "
+              "ratios\n",
               kRounds, threads, threads);
   std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
   for (const Shape& s : shapes) {
+    if (only != nullptr && std::strstr(s.name, only) == nullptr) continue;
     Decoder f32(s, DType::kFloat32), bf16(s, DType::kBFloat16);
     // Per round: probe GB/s, FMA peak, and each step's seconds.
     std::vector<double> bandwidth, peak, t_f32, t_bf16, t_fast;
@@ -361,9 +427,12 @@ int Main(int argc, char** argv) {
     const double group = static_cast<double>(s.heads / s.kv_heads);
     for (int r = 0; r < kRounds; ++r) {
       const std::vector<double> t = TimeInterleaved(
-          {[&] { probe.Pass(); }, [&] { fma.Pass(); }, [&] { f32.Step(*engine, false); },
-           [&] { bf16.Step(*engine, false); }, [&] { bf16.Step(*engine, true); }},
-          [&] { probe.Evict(); }, 0.2);
+          {{[&] { probe.Pass(); }, [&] { probe.Flush(); }},
+           {[&] { fma.Pass(); }},
+           {[&] { f32.Step(*engine, false); }, [&] { f32.Flush(threads); }},
+           {[&] { bf16.Step(*engine, false); }, [&] { bf16.Flush(threads); }},
+           {[&] { bf16.Step(*engine, true); }, [&] { bf16.Flush(threads); }}},
+          0.2);
       bandwidth.push_back(static_cast<double>(probe.bytes()) / t[0]);
       peak.push_back(fma.available() ? fma.multiply_adds_per_pass() / t[1] : 0);
       t_f32.push_back(t[2]);
@@ -405,6 +474,7 @@ int Main(int argc, char** argv) {
         s.target ? verdict(Median(fast_up) >= kBFloat16SpeedUp) : "",
         text("%.2fx", Median(fast_up)).c_str());
   }
+  if (only != nullptr && std::strcmp(only, "prefill") != 0) return enforce && !ok ? 1 : 0;
   const int64_t prefill = quick ? 1024 : 4096;
   const PrefillFigures p = Prefill(*engine, 8, prefill, 64, kRounds);
   std::printf("\nprefill H8 P=%lld D64 causal: session %.1f ms, stateless %.1f ms: %.2fx %s\n",
