@@ -3,7 +3,12 @@
 #include <omp.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #define ATTN_DECODE_AVX512 1
 #define ATTN_AVX512 __attribute__((target("avx512f")))
 #define ATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
@@ -633,6 +638,225 @@ void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* 
   }
 }
 
+
+// Tile matrix multiplies (AMX), for precision FAST over a BFLOAT16 cache on
+// CPUs that have them: TDPBF16PS multiplies a tile of up to 16 query rows
+// by 16 pairs of bfloat16 rows of 16 keys (or value elements), float32
+// sums, the same products and rounding of the query and the weights as the
+// bf16 dot products above, summed in another order. The cache's pairs are
+// already the tiles' layout: a block's keys (e, e + 1) of 16 keys are 64
+// bytes of a 256-byte row per pair of elements, and its values (2i, 2i + 1)
+// of 16 elements are 64 bytes of a value_dim * 4-byte row per pair of rows.
+// On the Intel host where vdpbf16ps kept a grouped-query step (four query
+// rows per key/value head) near its arithmetic limit, the tiles made it
+// 8-16% faster (docs/benchmarks.md, "Sessions").
+#define ATTN_TILES __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16")))
+
+// The tile instructions, by tile number (a literal). Written here rather
+// than taken from GCC 12's intrinsics, whose asm statements do not tell the
+// compiler what memory tile loads read and tile stores write: it could then
+// drop the stores of the weights a tile load reads, or read a tile store's
+// destination before the store (and a tile configuration's bytes past its
+// first 8, below, which made the tiles unconfigured: SIGILL).
+#define ATTN_TILE_LOAD(t, base, stride)                                                 \
+  __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}" \
+                   :                                                                    \
+                   : "r"(static_cast<const void*>(base)), "r"(static_cast<long>(stride))  \
+                   : "memory")
+#define ATTN_TILE_STORE(t, base, stride)                                                  \
+  __asm__ volatile("{tilestored\t%%tmm" #t ", (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm" #t "}" \
+                   :                                                                      \
+                   : "r"(static_cast<void*>(base)), "r"(static_cast<long>(stride))          \
+                   : "memory")
+#define ATTN_TILE_DOT(c, a, b)                                   \
+  __asm__ volatile("{tdpbf16ps\t%%tmm" #b ", %%tmm" #a ", %%tmm" #c \
+                   "|tdpbf16ps\t%%tmm" #c ", %%tmm" #a ", %%tmm" #b "}" ::)
+#define ATTN_TILE_ZERO(t) __asm__ volatile("tilezero\t%%tmm" #t ::)
+
+// Tiles: 0-3 sums (rows x 16 floats), 4 the query's or the weights' rows
+// (rows x 32 bfloat16), 6 and 7 the cache's (16 pairs x 16 columns).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+ATTN_TILES void LoadTileConfig(int rows) {
+  TileConfig c;
+  for (int t : {0, 1, 2, 3, 4}) {
+    c.rows[t] = static_cast<uint8_t>(rows);
+    c.bytes_per_row[t] = 64;
+  }
+  for (int t : {6, 7}) {
+    c.rows[t] = 16;
+    c.bytes_per_row[t] = 64;
+  }
+  // The whole 64 bytes are the operand (GCC 12's _tile_loadconfig names
+  // only their first 8, and its stores of the rest could be dropped).
+  __asm__ volatile("ldtilecfg\t%0" : : "m"(c));
+}
+
+ATTN_TILES void ReleaseTiles() { __asm__ volatile("tilerelease" ::: "memory"); }
+
+// Whether this process may use the tiles: the CPU has AMX-TILE and
+// AMX-BF16, and Linux grants the process their state (arch_prctl; kernels
+// before 5.16 do not).
+bool TilesUsable() {
+  static const bool usable = [] {
+#if defined(__linux__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+    if ((d & kAmxBf16) == 0 || (d & kAmxTile) == 0) return false;
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return usable;
+}
+
+// Shapes the tile kernels take: up to 16 query rows, key_dim a multiple of
+// 32 (whole tiles of 16 pairs), value_dim of 16.
+bool TilesFit(int64_t rows, int64_t key_dim, int64_t value_dim) {
+  return rows <= 16 && key_dim % 32 == 0 && value_dim % 16 == 0;
+}
+
+// s[r * kBlockRows + j] = scale * q_r . k_j for the block's 64 keys, the
+// tiles configured for `rows` rows: q holds the rows' bfloat16 pairs,
+// q_stride bytes apart. next_k (may be null): the next part's keys,
+// brought into L2 meanwhile, a quarter slice after each tile load (one
+// slice after the four: 2-4% slower, 2026-11-27).
+ATTN_TILES void TileScores(const uint16_t* q, int64_t q_stride, int rows, const void* kt,
+                           int64_t d, float scale, float* s, const char* next_k) {
+  constexpr int64_t kPairBytes = kBlockRows * 4;
+  constexpr int64_t kSliceBytes = 16 * kPairBytes;
+  constexpr int64_t kQuarter = kSliceBytes / 4;
+  const char* keys = static_cast<const char*>(kt);
+  const char* query = reinterpret_cast<const char*>(q);
+  ATTN_TILE_ZERO(0);
+  ATTN_TILE_ZERO(1);
+  ATTN_TILE_ZERO(2);
+  ATTN_TILE_ZERO(3);
+  for (int64_t step = 0; step < d / 32; ++step) {
+    const char* pairs = keys + step * kSliceBytes;
+    const char* next = next_k == nullptr ? nullptr : next_k + step * kSliceBytes;
+    ATTN_TILE_LOAD(4, query + step * 64, q_stride);
+    ATTN_TILE_LOAD(6, pairs, kPairBytes);
+    if (next != nullptr) Prefetch<kQuarter>(next);
+    ATTN_TILE_DOT(0, 4, 6);
+    ATTN_TILE_LOAD(7, pairs + 64, kPairBytes);
+    if (next != nullptr) Prefetch<kQuarter>(next + kQuarter);
+    ATTN_TILE_DOT(1, 4, 7);
+    ATTN_TILE_LOAD(6, pairs + 128, kPairBytes);
+    if (next != nullptr) Prefetch<kQuarter>(next + 2 * kQuarter);
+    ATTN_TILE_DOT(2, 4, 6);
+    ATTN_TILE_LOAD(7, pairs + 192, kPairBytes);
+    if (next != nullptr) Prefetch<kQuarter>(next + 3 * kQuarter);
+    ATTN_TILE_DOT(3, 4, 7);
+  }
+  constexpr int64_t kScoreStride = kBlockRows * 4;
+  ATTN_TILE_STORE(0, s, kScoreStride);
+  ATTN_TILE_STORE(1, s + 16, kScoreStride);
+  ATTN_TILE_STORE(2, s + 32, kScoreStride);
+  ATTN_TILE_STORE(3, s + 48, kScoreStride);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < rows; ++r) {
+    ATTN_UNROLL
+    for (int t = 0; t < 4; ++t) {
+      float* x = s + r * kBlockRows + 16 * t;
+      _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), sv));
+    }
+  }
+}
+
+// acc[r] = acc[r] * correction[r] + sum_j p[r * kBlockRows + j] v_j over
+// the block's 64 value rows (the weights past the sequence are 0, its rows
+// zeros), the tiles configured for `rows` rows: the weights rounded to
+// bfloat16, four chunks of 16 value elements at a time in the sum tiles,
+// then added to the sums in registers. next_v as next_k, a slice per four
+// chunks and half block.
+ATTN_TILES void TileAccumulate(const float* p, int rows, float* const* acc,
+                               const float* correction, const void* v, int64_t d,
+                               const char* next_v) {
+  alignas(64) uint16_t weights[16 * kBlockRows];
+  for (int r = 0; r < rows; ++r) {
+    const float* pr = p + r * kBlockRows;
+    ATTN_UNROLL
+    for (int t = 0; t < kBlockRows / 32; ++t) {
+      const __m512bh w =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 32 * t + 16), _mm512_loadu_ps(pr + 32 * t));
+      _mm512_store_si512(weights + r * kBlockRows + 32 * t, reinterpret_cast<__m512i>(w));
+    }
+  }
+  const int64_t pair_bytes = d * 4;
+  const int64_t chunks = d / 16;
+  const int64_t passes = (chunks + 3) / 4;
+  // The next part's values: pair_bytes * 32 bytes, a slice per pass and half.
+  const int64_t slice = (pair_bytes * 32 / (2 * passes) + 63) / 64 * 64;
+  alignas(64) float sums[16 * kBlockRows];
+  const char* values = static_cast<const char*>(v);
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    const int c = static_cast<int>(std::min<int64_t>(4, chunks - 4 * pass));
+    ATTN_TILE_ZERO(0);
+    ATTN_TILE_ZERO(1);
+    ATTN_TILE_ZERO(2);
+    ATTN_TILE_ZERO(3);
+    for (int half = 0; half < 2; ++half) {
+      ATTN_TILE_LOAD(4, weights + 32 * half, kBlockRows * 2);
+      const char* pairs = values + half * 16 * pair_bytes + pass * 4 * 64;
+      ATTN_TILE_LOAD(6, pairs, pair_bytes);
+      ATTN_TILE_DOT(0, 4, 6);
+      if (c > 1) {
+        ATTN_TILE_LOAD(7, pairs + 64, pair_bytes);
+        ATTN_TILE_DOT(1, 4, 7);
+      }
+      if (c > 2) {
+        ATTN_TILE_LOAD(6, pairs + 128, pair_bytes);
+        ATTN_TILE_DOT(2, 4, 6);
+      }
+      if (c > 3) {
+        ATTN_TILE_LOAD(7, pairs + 192, pair_bytes);
+        ATTN_TILE_DOT(3, 4, 7);
+      }
+      if (next_v != nullptr) PrefetchSlice(next_v + (2 * pass + half) * slice, slice);
+    }
+    constexpr int64_t kSumStride = kBlockRows * 4;
+    ATTN_TILE_STORE(0, sums, kSumStride);
+    if (c > 1) ATTN_TILE_STORE(1, sums + 16, kSumStride);
+    if (c > 2) ATTN_TILE_STORE(2, sums + 32, kSumStride);
+    if (c > 3) ATTN_TILE_STORE(3, sums + 48, kSumStride);
+    for (int r = 0; r < rows; ++r) {
+      const __m512 cr = _mm512_set1_ps(correction[r]);
+      float* ar = acc[r] + 64 * pass;
+      for (int k = 0; k < c; ++k) {
+        const __m512 x = _mm512_loadu_ps(sums + r * kBlockRows + 16 * k);
+        _mm512_storeu_ps(ar + 16 * k, _mm512_fmadd_ps(_mm512_loadu_ps(ar + 16 * k), cr, x));
+      }
+    }
+  }
+}
+
+#undef ATTN_TILE_LOAD
+#undef ATTN_TILE_STORE
+#undef ATTN_TILE_DOT
+#undef ATTN_TILE_ZERO
+#undef ATTN_TILES
+
+#else  // ATTN_DECODE_AVX512
+
+bool TilesUsable() { return false; }
+bool TilesFit(int64_t, int64_t, int64_t) { return false; }
+void LoadTileConfig(int) {}
+void ReleaseTiles() {}
+void TileScores(const uint16_t*, int64_t, int, const void*, int64_t, float, float*, const char*) {}
+void TileAccumulate(const float*, int, float* const*, const float*, const void*, int64_t,
+                    const char*) {}
+
 #endif  // ATTN_DECODE_AVX512
 
 // The kernels for a cache of `value_dim` value elements: AVX-512 on CPUs
@@ -647,6 +871,7 @@ struct BlockKernels {
 };
 
 std::atomic<bool> portable_kernels_for_testing{false};
+std::atomic<bool> tiles_allowed{true};
 
 BlockKernels KernelsFor(int64_t value_dim, Math math) {
   const bool bf16 = math != Math::kFloat32;
@@ -709,6 +934,10 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   // bf16 dot products take the query rows as bfloat16 pairs.
   thread_local std::vector<uint16_t> q_bf16;
   const int64_t dk_even = (dk + 1) / 2 * 2;
+  // Tile multiplies where the CPU has them and the shape fits, for what
+  // bf16 dot products would compute otherwise.
+  const bool tiles = kernels.scores_math == Math::kBFloat16Dot && TilesFit(rows, dk, dv) &&
+                     tiles_allowed.load(std::memory_order_relaxed) && TilesUsable();
   if (kernels.scores_math == Math::kBFloat16Dot) {
     q_bf16.assign(static_cast<size_t>(count * rows * dk_even), 0);
   }
@@ -731,10 +960,11 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
       st.acc[r] = p + 2;
     }
   }
-  // Keys: scores of up to kScoreRows query rows at a time, so a block's keys
-  // come from memory once for the whole group; values likewise, from cache
-  // after the first row. Meanwhile the next head's part comes in (the next
-  // block's first head after the last).
+  // Keys: scores of up to kScoreRows query rows at a time (with tiles, all
+  // of them), so a block's keys come from memory once for the whole group;
+  // values likewise, from cache after the first row. Meanwhile the next
+  // head's part comes in (the next block's first head after the last).
+  if (tiles) LoadTileConfig(static_cast<int>(rows));
   for (int64_t block = u.first_block; block < u.end_block; ++block) {
     const int64_t first_row = block * kBlockRows;
     const int64_t n = std::min(kBlockRows, first.keys - first_row);
@@ -751,7 +981,11 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
         next_k = static_cast<const char*>(cache.KeyBlock(next_block, next_head));
         next_v = static_cast<const char*>(cache.ValueBlock(next_block, next_head));
       }
-      for (int64_t r = 0; r < rows; r += kScoreRows) {
+      if (tiles) {
+        TileScores(q_bf16.data() + k * rows * dk_even, dk_even * 2, static_cast<int>(rows), kb,
+                   dk, it.scale, scores, next_k);
+      }
+      for (int64_t r = 0; r < rows && !tiles; r += kScoreRows) {
         const int c = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
         kernels.scores(st.q + r, c, kb, n, dk, it.scale, scores + r * kBlockRows,
                        r == 0 ? next_k : nullptr);
@@ -762,9 +996,14 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
         if (it.causal) visible = std::min(n, i + it.keys - it.query_len - first_row + 1);
         correction[r] = kernels.prepare(scores + r * kBlockRows, visible, n, st.partial + r * (dv + 2));
       }
-      kernels.accumulate(scores, static_cast<int>(rows), st.acc, correction, vb, n, dv, next_v);
+      if (tiles) {
+        TileAccumulate(scores, static_cast<int>(rows), st.acc, correction, vb, dv, next_v);
+      } else {
+        kernels.accumulate(scores, static_cast<int>(rows), st.acc, correction, vb, n, dv, next_v);
+      }
     }
   }
+  if (tiles) ReleaseTiles();
   if (!u.with_tail) return;
   for (int64_t k = 0; k < count; ++k) {
     const DecodeItem& it = items[u.first_item + k];
@@ -824,7 +1063,27 @@ bool SameSession(const DecodeItem& a, const DecodeItem& b) {
          a.query_len == b.query_len && a.fast == b.fast;
 }
 
+// [0, blocks) in `count` ranges of equal size: their bounds.
+std::vector<int64_t> EqualRanges(int64_t blocks, int64_t count) {
+  std::vector<int64_t> bounds;
+  for (int64_t c = 0; c <= count; ++c) bounds.push_back(blocks * c / count);
+  return bounds;
+}
+
 }  // namespace
+
+std::vector<int64_t> ShrinkingBlockRanges(int64_t blocks, int threads) {
+  if (blocks <= 0) return {0, 0};
+  std::vector<int64_t> bounds = {0};
+  const int64_t parts = 2 * static_cast<int64_t>(threads);
+  for (int64_t left = blocks; left > 0;) {
+    int64_t size = std::max(kMinChunkBlocks, (left + parts - 1) / parts);
+    if (left - size < kMinChunkBlocks) size = left;
+    bounds.push_back(bounds.back() + size);
+    left -= size;
+  }
+  return bounds;
+}
 
 int64_t DecodeUnitsPerSession(int64_t sessions, int threads) {
   if (threads <= 1 || sessions < 1) return 1;
@@ -850,8 +1109,8 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
   const int64_t sessions = static_cast<int64_t>(session_start.size());
   session_start.push_back(n);
   // A session's blocks split into ranges of at least kMinChunkBlocks
-  // blocks, and where a cache is too short for enough of them, its heads
-  // split too.
+  // blocks (a lone session's shrinking as they go), and where a cache is
+  // too short for enough of them, its heads split too.
   const int64_t units_wanted = DecodeUnitsPerSession(sessions, threads);
   // Item k's partials: chunks[k] of them, rows * (value_dim + 2) floats
   // each, from partial_offset[k].
@@ -863,8 +1122,14 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
     const DecodeItem& it = items[first];
     const int64_t blocks = (it.keys + kBlockRows - 1) / kBlockRows;
     const int64_t heads = end - first;
-    const int64_t c_count = std::max<int64_t>(1, std::min(units_wanted, blocks / kMinChunkBlocks));
-    const int64_t h_count = std::min(heads, (units_wanted + c_count - 1) / c_count);
+    const int64_t c_count_wanted =
+        std::max<int64_t>(1, std::min(units_wanted, blocks / kMinChunkBlocks));
+    const int64_t h_count = std::min(heads, (units_wanted + c_count_wanted - 1) / c_count_wanted);
+    const std::vector<int64_t> bounds =
+        sessions == 1 && h_count == 1 && c_count_wanted > 1
+            ? ShrinkingBlockRanges(blocks, threads)
+            : EqualRanges(blocks, c_count_wanted);
+    const int64_t c_count = static_cast<int64_t>(bounds.size()) - 1;
     const int64_t stride = it.group * it.query_len * (it.cache->value_dim() + 2);
     for (int64_t k = first; k < end; ++k) {
       chunks[k] = c_count;
@@ -876,8 +1141,8 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
         Unit u;
         u.first_item = first + heads * h / h_count;
         u.end_item = first + heads * (h + 1) / h_count;
-        u.first_block = blocks * c / c_count;
-        u.end_block = blocks * (c + 1) / c_count;
+        u.first_block = bounds[c];
+        u.end_block = bounds[c + 1];
         u.with_tail = c == c_count - 1;
         // Chunk c of each of its items' partial results.
         for (int64_t k = u.first_item; k < u.end_item; ++k) {
@@ -907,5 +1172,9 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
 void UsePortableDecodeKernelsForTesting(bool portable) {
   portable_kernels_for_testing.store(portable, std::memory_order_relaxed);
 }
+
+bool DecodeTilesAvailable() { return TilesUsable(); }
+
+void UseDecodeTiles(bool use) { tiles_allowed.store(use, std::memory_order_relaxed); }
 
 }  // namespace attention::internal

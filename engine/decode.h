@@ -8,6 +8,7 @@
 // softmaxes are merged at the end (flash-decoding). Engine-private.
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/types/span.h"
 #include "engine/kv_cache.h"
@@ -62,11 +63,33 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads);
 // when sessions differ in length, and a multiple of the threads, so that
 // sessions of one length end level (one unit each of 9 sessions on 2
 // threads ran 5 and 4; docs/benchmarks.md, "Sessions", has what splitting
-// them gained). A cache too short to split gets fewer.
+// them gained). A cache too short to split gets fewer. A lone session whose
+// blocks split takes more, in ranges that shrink as they go, so that the
+// threads end level even when they run at different speeds.
 int64_t DecodeUnitsPerSession(int64_t sessions, int threads);
+
+// The ranges a lone session's `blocks` blocks split into on `threads`
+// threads (their bounds, from 0 to blocks): each a (2 x threads)th of the
+// blocks left, at least 4 (a thread's share of a part: less costs more in
+// merging than it saves), the last taking what is left. The threads take
+// them in order as they finish: equal ranges, four per thread, ended with
+// one thread idle for up to a range while the other finished its last, as
+// the two threads of a VM do not run at one speed (one streamed 25% slower
+// than the other through a whole step). docs/benchmarks.md, "Sessions",
+// has what they gained.
+std::vector<int64_t> ShrinkingBlockRanges(int64_t blocks, int threads);
 
 // Tests: true makes RunDecode use its portable loops on every CPU.
 void UsePortableDecodeKernelsForTesting(bool portable);
+
+// Whether this CPU and OS let RunDecode use tile matrix multiplies (AMX)
+// for precision FAST over BFLOAT16 caches (from kMinDotProductRows up to
+// 16 query rows per key/value head, key dims a multiple of 32, value dims
+// of 16), where it would use bf16 dot products otherwise.
+bool DecodeTilesAvailable();
+// Tests and benchmarks: false makes RunDecode use the dot products instead
+// (true, the default, uses tiles wherever they are available).
+void UseDecodeTiles(bool use);
 
 }  // namespace attention::internal
 

@@ -39,6 +39,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "engine/decode.h"
 #include "engine/engine.h"
 #include "engine/kv_cache.h"
 
@@ -415,24 +416,39 @@ int Main(int argc, char** argv) {
               "starting with its data flushed from the CPU's caches;\nmedians of the rounds' "
               "ratios\n",
               kRounds, threads, threads);
+  // FAST takes tile multiplies (AMX) where the CPU has them; the same
+  // steps with bf16 dot products are then shown beside them.
+  const bool tiles = internal::DecodeTilesAvailable();
+  if (tiles) {
+    std::printf("BF16 FAST: tile multiplies (AMX) where the step has 4 to 16 query rows per "
+                "key/value head;\nBF16 DOT: the same steps with bf16 dot products\n");
+  }
   std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
   for (const Shape& s : shapes) {
     if (only != nullptr && std::strstr(s.name, only) == nullptr) continue;
     Decoder f32(s, DType::kFloat32), bf16(s, DType::kBFloat16);
     // Per round: probe GB/s, FMA peak, and each step's seconds.
-    std::vector<double> bandwidth, peak, t_f32, t_bf16, t_fast;
-    std::vector<double> f32_vs_probe, bf16_vs_probe, fast_vs_probe, f32_peak, bf16_peak, bf16_up,
-        fast_up;
+    std::vector<double> bandwidth, peak, t_f32, t_bf16, t_fast, t_dot;
+    std::vector<double> f32_vs_probe, bf16_vs_probe, fast_vs_probe, dot_vs_probe, f32_peak,
+        bf16_peak, bf16_up, fast_up, dot_up;
     const double group = static_cast<double>(s.heads / s.kv_heads);
     for (int r = 0; r < kRounds; ++r) {
-      const std::vector<double> t = TimeInterleaved(
-          {{[&] { probe.Pass(); }, [&] { probe.Flush(); }},
-           {[&] { fma.Pass(); }},
-           {[&] { f32.Step(*engine, false); }, [&] { f32.Flush(threads); }},
-           {[&] { bf16.Step(*engine, false); }, [&] { bf16.Flush(threads); }},
-           {[&] { bf16.Step(*engine, true); }, [&] { bf16.Flush(threads); }}},
-          0.2);
+      std::vector<Timed> calls = {
+          {[&] { probe.Pass(); }, [&] { probe.Flush(); }},
+          {[&] { fma.Pass(); }},
+          {[&] { f32.Step(*engine, false); }, [&] { f32.Flush(threads); }},
+          {[&] { bf16.Step(*engine, false); }, [&] { bf16.Flush(threads); }},
+          {[&] { bf16.Step(*engine, true); }, [&] { bf16.Flush(threads); }}};
+      if (tiles) {
+        calls.push_back({[&] {
+                           internal::UseDecodeTiles(false);
+                           bf16.Step(*engine, true);
+                           internal::UseDecodeTiles(true);
+                         },
+                         [&] { bf16.Flush(threads); }});
+      }
+      const std::vector<double> t = TimeInterleaved(calls, 0.2);
       bandwidth.push_back(static_cast<double>(probe.bytes()) / t[0]);
       peak.push_back(fma.available() ? fma.multiply_adds_per_pass() / t[1] : 0);
       t_f32.push_back(t[2]);
@@ -446,6 +462,11 @@ int Main(int argc, char** argv) {
       bf16_peak.push_back(bf16.bytes_per_step() / t_bf16.back() * group / 2 / peak.back());
       bf16_up.push_back(t_f32.back() / t_bf16.back());
       fast_up.push_back(t_f32.back() / t_fast.back());
+      if (tiles) {
+        t_dot.push_back(t[5]);
+        dot_vs_probe.push_back(bf16.bytes_per_step() / t_dot.back() / bandwidth.back());
+        dot_up.push_back(t_f32.back() / t_dot.back());
+      }
     }
     const double probe_gb = Median(bandwidth) / 1e9;
     auto row = [&](const char* cache, const std::vector<double>& t, double bytes,
@@ -473,6 +494,10 @@ int Main(int argc, char** argv) {
     row("BF16 FAST", t_fast, bf16.bytes_per_step(), fast_vs_probe, "",
         s.target ? verdict(Median(fast_up) >= kBFloat16SpeedUp) : "",
         text("%.2fx", Median(fast_up)).c_str());
+    if (tiles) {
+      row("BF16 DOT", t_dot, bf16.bytes_per_step(), dot_vs_probe, "", "",
+          text("%.2fx", Median(dot_up)).c_str());
+    }
   }
   if (only != nullptr && std::strcmp(only, "prefill") != 0) return enforce && !ok ? 1 : 0;
   const int64_t prefill = quick ? 1024 : 4096;

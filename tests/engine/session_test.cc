@@ -479,6 +479,75 @@ TEST(DecodeUnitsTest, EqualSessionsEndLevelOnEveryThread) {
   EXPECT_EQ(internal::DecodeUnitsPerSession(1, 2), 8);
 }
 
+// A lone session's ranges: they cover its blocks in order, none under 4
+// blocks, none larger than the one before but the last (which takes what
+// is left), each a (2 x threads)th of what was left, rounded up.
+TEST(DecodeUnitsTest, ALoneSessionsRangesShrinkAsTheyGo) {
+  for (int threads = 1; threads <= 4; ++threads) {
+    for (int64_t blocks = 1; blocks <= 600; ++blocks) {
+      SCOPED_TRACE(absl::StrCat(blocks, " blocks, ", threads, " threads"));
+      const std::vector<int64_t> b = internal::ShrinkingBlockRanges(blocks, threads);
+      ASSERT_GE(b.size(), 2u);
+      EXPECT_EQ(b.front(), 0);
+      EXPECT_EQ(b.back(), blocks);
+      for (size_t i = 1; i < b.size(); ++i) {
+        const int64_t size = b[i] - b[i - 1], left = blocks - b[i - 1];
+        EXPECT_GE(size, std::min<int64_t>(4, blocks));
+        if (i + 1 < b.size()) {
+          EXPECT_EQ(size, std::max<int64_t>(4, (left + 2 * threads - 1) / (2 * threads)));
+        } else {
+          EXPECT_LT(left - std::max<int64_t>(4, (left + 2 * threads - 1) / (2 * threads)), 4);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(internal::ShrinkingBlockRanges(128, 2),
+            (std::vector<int64_t>{0, 32, 56, 74, 88, 98, 106, 112, 116, 120, 124, 128}));
+}
+
+// One long session on two threads, split into shrinking block ranges (129
+// blocks: 11 ranges), for each storage type and precision: its answer is
+// still its stateless call's.
+TEST_P(SessionTest, ALoneLongSessionSplitIntoShrinkingRangesMatches) {
+  EngineOptions options;
+  options.backend = GetParam();
+  options.threads = 2;
+  std::unique_ptr<Engine> two = std::move(Engine::Create(options)).value();
+  const int64_t kv_heads = 1, group = 4, dim = 32, cached = 128 * 64 + 20;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (bool fast : {false, true}) {
+      if (fast && dtype == DType::kFloat32) continue;
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), fast ? " FAST" : ""));
+      auto cache = NewCache(kv_heads, dim, dim, dtype);
+      const Input k0 = Random({1, kv_heads, cached, dim}, 220),
+                  v0 = Random({1, kv_heads, cached, dim}, 221);
+      ASSERT_THAT(cache->Append(cached, k0.values.data(), dim, cached * dim, v0.values.data(), dim,
+                                cached * dim),
+                  IsOk());
+      cache->Commit();
+      const Input q = Random({1, kv_heads * group, 1, dim}, 222),
+                  k = Random({1, kv_heads, 1, dim}, 223), v = Random({1, kv_heads, 1, dim}, 224);
+      AttentionArgs args;
+      args.query = q.view();
+      args.key = k.view();
+      args.value = v.view();
+      args.fast = fast;
+      SessionCall session{{cache.get()}, false};
+      EngineCall call{&args, nullptr};
+      call.session = &session;
+      absl::StatusOr<AttentionResult> got = std::move(two->AttendBatch({&call, 1}).front());
+      cache->Rollback();
+      ASSERT_THAT(got, IsOk());
+      AttentionArgs exact = args;
+      exact.fast = false;
+      absl::StatusOr<AttentionResult> want = StatelessOverStored(exact, k0, v0, k, v, dtype);
+      ASSERT_THAT(want, IsOk());
+      ExpectNear(Values(got->output.data), Values(want->output.data), fast ? 2e-3f : 2e-5f,
+                 "output");
+    }
+  }
+}
+
 // Steps of four causal rows through the decode kernel, whose last visible
 // keys fall before a block boundary, on it and after it (the rows of one
 // step seeing different numbers of a block's keys, some none of the last
@@ -574,6 +643,77 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
         EXPECT_EQ(g, Values(exact_step->output.data)) << "float32 math did not run";
       }
     }
+  }
+}
+
+// Precision FAST with tile multiplies (AMX, where the CPU and the OS have
+// them) against the same steps with bf16 dot products: the same products
+// of the same bfloat16 roundings, summed in another order, so equal to
+// within float32 sums' rounding, and both within bfloat16's rounding of the
+// exact answer. The shapes the tiles take (4 to 16 query rows per
+// key/value head, key dims a multiple of 32, value dims of 16: value passes
+// of 1 to 4 chunks of 16 elements, one to four of 32 key elements; causal
+// rows) and two they leave to the dot products (32 rows; key dim 48). On a
+// CPU without them, both runs take the dot products and must be equal.
+TEST_P(SessionTest, FastTileMultipliesMatchTheDotProducts) {
+  struct Case {
+    int64_t group, query_len, key_dim, value_dim;
+  };
+  const Case cases[] = {{4, 1, 128, 128}, {8, 2, 64, 64},   {16, 1, 32, 80}, {4, 2, 96, 256},
+                        {2, 2, 128, 16},  {8, 4, 64, 64},   {4, 1, 48, 48}};
+  const bool tiles = internal::DecodeTilesAvailable();
+  bool tiles_ran = false;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat("group ", c.group, " query_len ", c.query_len, " Dk ", c.key_dim,
+                              " Dv ", c.value_dim));
+    const int64_t kv_heads = 2, cached = 300;  // 300 + query_len rows: an odd last block
+    const Input k0 = Random({1, kv_heads, cached, c.key_dim}, 210),
+                v0 = Random({1, kv_heads, cached, c.value_dim}, 211);
+    // The same rows in two caches: one steps with dot products, one with tiles.
+    auto dot_cache = NewCache(kv_heads, c.key_dim, c.value_dim, DType::kBFloat16);
+    auto tile_cache = NewCache(kv_heads, c.key_dim, c.value_dim, DType::kBFloat16);
+    for (KvCache* cache : {dot_cache.get(), tile_cache.get()}) {
+      ASSERT_THAT(cache->Append(cached, k0.values.data(), c.key_dim, cached * c.key_dim,
+                                v0.values.data(), c.value_dim, cached * c.value_dim),
+                  IsOk());
+      cache->Commit();
+    }
+    const Input q = Random({1, kv_heads * c.group, c.query_len, c.key_dim}, 212),
+                k = Random({1, kv_heads, c.query_len, c.key_dim}, 213),
+                v = Random({1, kv_heads, c.query_len, c.value_dim}, 214);
+    AttentionArgs args;
+    args.query = q.view();
+    args.key = k.view();
+    args.value = v.view();
+    args.mask.causal = Causal::kBottomRight;
+    args.fast = true;
+    internal::UseDecodeTiles(false);
+    absl::StatusOr<AttentionResult> dot = Step(args, {dot_cache.get()});
+    internal::UseDecodeTiles(true);
+    ASSERT_THAT(dot, IsOk());
+    absl::StatusOr<AttentionResult> tile = Step(args, {tile_cache.get()});
+    ASSERT_THAT(tile, IsOk());
+    AttentionArgs exact = args;
+    exact.fast = false;
+    absl::StatusOr<AttentionResult> want =
+        StatelessOverStored(exact, k0, v0, k, v, DType::kBFloat16);
+    ASSERT_THAT(want, IsOk());
+    const std::vector<float> d = Values(dot->output.data), t = Values(tile->output.data);
+    ExpectNear(d, Values(want->output.data), 2e-3f, "dot products against EXACT");
+    ExpectNear(t, Values(want->output.data), 2e-3f, "tiles against EXACT");
+    // Float32 sums of a few hundred products in another order.
+    ExpectNear(t, d, 1e-4f, "tiles against dot products");
+    const int64_t rows = c.group * c.query_len;
+    const bool fits = rows <= 16 && c.key_dim % 32 == 0 && c.value_dim % 16 == 0;
+    if (tiles && fits) {
+      // Summed in another order: some output differs in its last bits.
+      tiles_ran |= t != d;
+    } else {
+      EXPECT_EQ(t, d) << "the dot products ran both times";
+    }
+  }
+  if (tiles) {
+    EXPECT_TRUE(tiles_ran) << "tile multiplies did not run";
   }
 }
 
