@@ -125,10 +125,12 @@ class SessionTest : public ::testing::TestWithParam<Backend> {
   }
 
   // The stateless call of `args` over the cached rows k0 / v0 and then the
-  // step's k / v ([1, Hk, S, D] each), as a cache of `dtype` stores them.
+  // step's k / v ([1, Hk, S, D] each), as a cache of `dtype` stores them,
+  // under precision EXACT whatever `args` asks (the answer FAST is held to).
   absl::StatusOr<AttentionResult> StatelessOverStored(AttentionArgs args, const Input& k0,
                                                       const Input& v0, const Input& k,
                                                       const Input& v, DType dtype) {
+    args.fast = false;
     Input keys = Concat(k0, k, 2), values = Concat(v0, v, 2);
     for (float& x : keys.values) x = Stored(x, dtype);
     for (float& x : values.values) x = Stored(x, dtype);
@@ -538,9 +540,7 @@ TEST_P(SessionTest, ALoneLongSessionSplitIntoShrinkingRangesMatches) {
       absl::StatusOr<AttentionResult> got = std::move(two->AttendBatch({&call, 1}).front());
       cache->Rollback();
       ASSERT_THAT(got, IsOk());
-      AttentionArgs exact = args;
-      exact.fast = false;
-      absl::StatusOr<AttentionResult> want = StatelessOverStored(exact, k0, v0, k, v, dtype);
+      absl::StatusOr<AttentionResult> want = StatelessOverStored(args, k0, v0, k, v, dtype);
       ASSERT_THAT(want, IsOk());
       ExpectNear(Values(got->output.data), Values(want->output.data), fast ? 2e-3f : 2e-5f,
                  "output");
@@ -580,9 +580,7 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
           args.fast = fast;
           absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
           ASSERT_THAT(got, IsOk());
-          AttentionArgs exact = args;
-          exact.fast = false;
-          absl::StatusOr<AttentionResult> want = StatelessOverStored(exact, k0, v0, k, v, dtype);
+          absl::StatusOr<AttentionResult> want = StatelessOverStored(args, k0, v0, k, v, dtype);
           ASSERT_THAT(want, IsOk());
           // FAST rounds the query and the weights to bfloat16 (see below).
           ExpectNear(Values(got->output.data), Values(want->output.data), fast ? 2e-3f : 2e-5f,
@@ -693,10 +691,8 @@ TEST_P(SessionTest, FastTileMultipliesMatchTheDotProducts) {
     ASSERT_THAT(dot, IsOk());
     absl::StatusOr<AttentionResult> tile = Step(args, {tile_cache.get()});
     ASSERT_THAT(tile, IsOk());
-    AttentionArgs exact = args;
-    exact.fast = false;
     absl::StatusOr<AttentionResult> want =
-        StatelessOverStored(exact, k0, v0, k, v, DType::kBFloat16);
+        StatelessOverStored(args, k0, v0, k, v, DType::kBFloat16);
     ASSERT_THAT(want, IsOk());
     const std::vector<float> d = Values(dot->output.data), t = Values(tile->output.data);
     ExpectNear(d, Values(want->output.data), 2e-3f, "dot products against EXACT");
