@@ -638,7 +638,6 @@ void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* 
   }
 }
 
-
 // Tile matrix multiplies (AMX), for precision FAST over a BFLOAT16 cache on
 // CPUs that have them: TDPBF16PS multiplies a tile of up to 16 query rows
 // by 16 pairs of bfloat16 rows of 16 keys (or value elements), float32
@@ -984,11 +983,12 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
       if (tiles) {
         TileScores(q_bf16.data() + k * rows * dk_even, dk_even * 2, static_cast<int>(rows), kb,
                    dk, it.scale, scores, next_k);
-      }
-      for (int64_t r = 0; r < rows && !tiles; r += kScoreRows) {
-        const int c = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
-        kernels.scores(st.q + r, c, kb, n, dk, it.scale, scores + r * kBlockRows,
-                       r == 0 ? next_k : nullptr);
+      } else {
+        for (int64_t r = 0; r < rows; r += kScoreRows) {
+          const int c = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
+          kernels.scores(st.q + r, c, kb, n, dk, it.scale, scores + r * kBlockRows,
+                         r == 0 ? next_k : nullptr);
+        }
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r % it.query_len;

@@ -14,9 +14,10 @@
 // Each figure is the median of 7 rounds, each of which calls the probes and
 // every step of a shape in turn, round and round (so a ratio compares times
 // taken over the same second on the shared machine), each call but the
-// multiply-add probe's starting with its data flushed from the CPU's caches. Prints a table and
-// "PASS" / "MISS" per target; with --enforce exits 1 on a miss. Timed, so
-// not a unit test: `bash deploy/bench.sh decode` runs it.
+// multiply-add probe's starting with its data flushed from the CPU's
+// caches. Prints a table and "PASS" / "MISS" per target; with --enforce
+// exits 1 on a miss. Timed, so not a unit test: `bash deploy/bench.sh
+// decode` runs it.
 //
 //   decode_bench [--enforce] [--quick] [--only TEXT]
 //     --quick: smaller shapes (a smoke run); --only: the decode shapes whose
@@ -132,7 +133,8 @@ void Flush(const std::vector<Bytes>& spans, int threads) {
     const uintptr_t n = static_cast<uintptr_t>(omp_get_num_threads());
     for (const Bytes& span : spans) {
       const uintptr_t first = reinterpret_cast<uintptr_t>(span.data) / 64;
-      const uintptr_t lines = (reinterpret_cast<uintptr_t>(span.data) + span.size + 63) / 64 - first;
+      const uintptr_t end = (reinterpret_cast<uintptr_t>(span.data) + span.size + 63) / 64;
+      const uintptr_t lines = end - first;
       FlushLines((first + lines * t / n) * 64, (first + lines * (t + 1) / n) * 64);
     }
   }
@@ -411,10 +413,10 @@ int Main(int argc, char** argv) {
   ReadProbe probe(size_t{1} << 30, threads);
   MultiplyAddProbe fma(threads);
   std::printf("%d rounds per shape, each calling in turn, for at least 0.2 s each: the "
-              "memory-read probe\n(%d threads streaming 1 GiB, prefetching), a multiply-add probe (%d "
-              "threads of independent 16-lane FMAs)\nand each step, the probe and the steps each "
-              "starting with its data flushed from the CPU's caches;\nmedians of the rounds' "
-              "ratios\n",
+              "memory-read probe\n(%d threads streaming 1 GiB, prefetching), a multiply-add "
+              "probe (%d threads of independent 16-lane FMAs)\nand each step, the probe and the "
+              "steps each starting with its data flushed from the CPU's caches;\nmedians of the "
+              "rounds' ratios\n",
               kRounds, threads, threads);
   // FAST takes tile multiplies (AMX) where the CPU has them; the same
   // steps with bf16 dot products are then shown beside them.
