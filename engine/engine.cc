@@ -163,6 +163,10 @@ absl::StatusOr<CallCost> CheckSessionLimits(const internal::SessionPlan& plan, i
 // bypasses it: its caller's thread leads the OpenMP team instead.
 struct Engine::Impl {
   std::unique_ptr<internal::ComputeBackend> backend;
+  // options.threads, or the cores online when the engine was created: read
+  // once, since std::thread::hardware_concurrency reads a file under /sys
+  // each time (20-35 us per call on the Intel host, docs/benchmarks.md).
+  int cost_threads = 1;
 
   absl::Mutex mu;
   std::deque<std::function<void()>> queue ABSL_GUARDED_BY(mu);
@@ -213,6 +217,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   const int threads = options.threads > 0
                           ? options.threads
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  impl->cost_threads = threads;
   if (options.backend == Backend::kReference) {
     impl->backend = internal::MakeReferenceBackend();
   } else {
@@ -233,10 +238,7 @@ Engine::~Engine() {
   impl_->worker.join();
 }
 
-int Engine::CostThreads() const {
-  return options_.threads > 0 ? options_.threads
-                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
+int Engine::CostThreads() const { return impl_->cost_threads; }
 
 std::string Engine::backend_name() const { return impl_->backend->name(); }
 std::string Engine::isa() const { return impl_->backend->isa(); }
