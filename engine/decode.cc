@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "engine/kernels.h"
@@ -345,6 +346,35 @@ ATTN_AVX512 inline __m512 Exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(y, scale));
 }
 
+// exp(x) for 16 lanes, for precision FAST, whose weights are then rounded
+// to bfloat16 (8 significant bits): 2^n * 2^f with t = x log2(e), n = t
+// rounded and f = t - n in [-1/2, 1/2] (one fused multiply-subtract from x,
+// so t's rounding does not enter f); 2^f by a degree-4 polynomial with
+// 2^0 = 1 exactly (relative error 2.9e-6, fitted in float32 on that
+// interval), times 2^n by vscalefps. With log2(e)'s own rounding, relative
+// error under 5e-6 for x >= -87.34. 10 vector operations to Exp16's 20,
+// with the same edges: 0 where t < -126 (x < -87.34), so never a subnormal;
+// NaN stays NaN.
+ATTN_AVX512 inline __m512 Exp16Fast(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 t = _mm512_mul_ps(x, log2e);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
+  const __m512 n =
+      _mm512_maskz_roundscale_ps(0xFFFF, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fmsub_ps(x, log2e, n);
+  __m512 p = _mm512_set1_ps(9.582851082e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.590642616e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402409911e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931241751e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), p, n);
+}
+
+ATTN_AVX512 void ExpForTesting(bool fast, const float* x, float* y) {
+  const __m512 v = _mm512_load_ps(x);
+  _mm512_store_ps(y, fast ? Exp16Fast(v) : Exp16(v));
+}
+
 // The largest and the sum of x's lanes (NaN lanes: see the callers), in a
 // tree of shuffles: a lane-by-lane loop through memory, a chain of 16
 // dependent steps per row and block, made a grouped-query step whose cache
@@ -370,33 +400,42 @@ ATTN_AVX512 inline float SumOf(__m512 x) {
 
 // Prepare for a whole block (n <= kBlockRows = 64 scores, four registers),
 // with no calls: the exponentials of a grouped-query step are a fifth of its
-// arithmetic.
+// arithmetic. kFastExp: Exp16Fast, for precision FAST.
+template <bool kFastExp>
 ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_partial) {
   static_assert(kBlockRows == 64);
   float& m = row_partial[0];
   float& l = row_partial[1];
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 lanes[4];
   __m512 x[4];
-  __m512 block_max = neg_inf;
-  __mmask16 nan = 0;
+  // Once a row's max has settled, most blocks have no score above it (nor
+  // NaN): then the block's max is not needed, nor an exp for the correction.
+  const __m512 old_max = _mm512_set1_ps(m);
+  __mmask16 above = 0;
   ATTN_UNROLL
   for (int t = 0; t < 4; ++t) {
     const int64_t count = std::clamp<int64_t>(visible - 16 * t, 0, 16);
     lanes[t] = static_cast<__mmask16>((uint32_t{1} << count) - 1);
     x[t] = _mm512_loadu_ps(s + 16 * t);
-    nan |= _mm512_mask_cmp_ps_mask(lanes[t], x[t], x[t], _CMP_UNORD_Q);
-    block_max = _mm512_mask_max_ps(block_max, lanes[t], block_max, x[t]);
+    above |= _mm512_mask_cmp_ps_mask(lanes[t], x[t], old_max, _CMP_NLE_UQ);
   }
-  const float seen = nan != 0 ? std::numeric_limits<float>::quiet_NaN()
-                              : MaxOf(block_max);
-  const float m_new = std::isnan(seen) || seen > m ? seen : m;
+  float m_new = m;
+  if (above != 0) {
+    __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 nan = 0;
+    ATTN_UNROLL
+    for (int t = 0; t < 4; ++t) {
+      nan |= _mm512_mask_cmp_ps_mask(lanes[t], x[t], x[t], _CMP_UNORD_Q);
+      block_max = _mm512_mask_max_ps(block_max, lanes[t], block_max, x[t]);
+    }
+    const float seen = nan != 0 ? std::numeric_limits<float>::quiet_NaN() : MaxOf(block_max);
+    if (std::isnan(seen) || seen > m) m_new = seen;
+  }
   if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
     ATTN_UNROLL
     for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + 16 * t, _mm512_setzero_ps());
     return 1.0f;
   }
-  // Once a row's max has settled, most blocks leave it unchanged: no exp.
   const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f
                            : m == m_new                                ? 1.0f
                                                                        : std::exp(m - m_new);
@@ -404,7 +443,9 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
   __m512 sum = _mm512_setzero_ps();
   ATTN_UNROLL
   for (int t = 0; t < 4; ++t) {
-    const __m512 p = _mm512_maskz_mov_ps(lanes[t], Exp16(_mm512_sub_ps(x[t], shift)));
+    const __m512 shifted = _mm512_sub_ps(x[t], shift);
+    const __m512 p =
+        _mm512_maskz_mov_ps(lanes[t], kFastExp ? Exp16Fast(shifted) : Exp16(shifted));
     sum = _mm512_add_ps(sum, p);
     _mm512_storeu_ps(s + 16 * t, p);
   }
@@ -725,13 +766,13 @@ bool TilesFit(int64_t rows, int64_t key_dim, int64_t value_dim) {
   return rows <= 16 && key_dim % 32 == 0 && value_dim % 16 == 0;
 }
 
-// s[r * kBlockRows + j] = scale * q_r . k_j for the block's 64 keys, the
-// tiles configured for `rows` rows: q holds the rows' bfloat16 pairs,
+// s[r * kBlockRows + j] = q_r . k_j for the block's 64 keys, the tiles
+// configured for `rows` rows: q holds the rows' bfloat16 pairs (scaled),
 // q_stride bytes apart. next_k (may be null): the next part's keys,
 // brought into L2 meanwhile, a quarter slice after each tile load (one
 // slice after the four: 2-4% slower, 2026-11-27).
-ATTN_TILES void TileScores(const uint16_t* q, int64_t q_stride, int rows, const void* kt,
-                           int64_t d, float scale, float* s, const char* next_k) {
+ATTN_TILES void TileScores(const uint16_t* q, int64_t q_stride, const void* kt, int64_t d,
+                           float* s, const char* next_k) {
   constexpr int64_t kPairBytes = kBlockRows * 4;
   constexpr int64_t kSliceBytes = 16 * kPairBytes;
   constexpr int64_t kQuarter = kSliceBytes / 4;
@@ -763,14 +804,6 @@ ATTN_TILES void TileScores(const uint16_t* q, int64_t q_stride, int rows, const 
   ATTN_TILE_STORE(1, s + 16, kScoreStride);
   ATTN_TILE_STORE(2, s + 32, kScoreStride);
   ATTN_TILE_STORE(3, s + 48, kScoreStride);
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int r = 0; r < rows; ++r) {
-    ATTN_UNROLL
-    for (int t = 0; t < 4; ++t) {
-      float* x = s + r * kBlockRows + 16 * t;
-      _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), sv));
-    }
-  }
 }
 
 // acc[r] = acc[r] * correction[r] + sum_j p[r * kBlockRows + j] v_j over
@@ -852,7 +885,7 @@ bool TilesUsable() { return false; }
 bool TilesFit(int64_t, int64_t, int64_t) { return false; }
 void LoadTileConfig(int) {}
 void ReleaseTiles() {}
-void TileScores(const uint16_t*, int64_t, int, const void*, int64_t, float, float*, const char*) {}
+void TileScores(const uint16_t*, int64_t, const void*, int64_t, float*, const char*) {}
 void TileAccumulate(const float*, int, float* const*, const float*, const void*, int64_t,
                     const char*) {}
 
@@ -882,7 +915,7 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
   static const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
   if (!avx512 || portable_kernels_for_testing.load(std::memory_order_relaxed)) return k;
   if (math == Math::kBFloat16Dot && !avx512_bf16) math = Math::kBFloat16;
-  k.prepare = &Avx512Prepare;
+  k.prepare = math == Math::kBFloat16Dot ? &Avx512Prepare<true> : &Avx512Prepare<false>;
   k.scores_math = math;
   const bool vector_values = value_dim % 16 == 0;
   switch (math) {
@@ -930,15 +963,21 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   float correction[kMaxDecodeRows];
   thread_local std::vector<ItemRows> states;
   states.resize(static_cast<size_t>(count));
-  // bf16 dot products take the query rows as bfloat16 pairs.
+  // bf16 dot products take the query rows as bfloat16 pairs, scaled
+  // before rounding (as SDPA scales q), so that the scores come out of the
+  // multiplies scaled: the tile path's scores then go straight to the
+  // softmax step.
+  const bool dot = kernels.scores_math == Math::kBFloat16Dot;
   thread_local std::vector<uint16_t> q_bf16;
+  thread_local std::vector<float> q_scaled;
   const int64_t dk_even = (dk + 1) / 2 * 2;
   // Tile multiplies where the CPU has them and the shape fits, for what
   // bf16 dot products would compute otherwise.
-  const bool tiles = kernels.scores_math == Math::kBFloat16Dot && TilesFit(rows, dk, dv) &&
+  const bool tiles = dot && TilesFit(rows, dk, dv) &&
                      tiles_allowed.load(std::memory_order_relaxed) && TilesUsable();
-  if (kernels.scores_math == Math::kBFloat16Dot) {
+  if (dot) {
     q_bf16.assign(static_cast<size_t>(count * rows * dk_even), 0);
+    q_scaled.resize(static_cast<size_t>(dk));
   }
   for (int64_t k = 0; k < count; ++k) {
     const DecodeItem& it = items[u.first_item + k];
@@ -951,9 +990,10 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
       std::memset(p + 2, 0, static_cast<size_t>(dv) * sizeof(float));
       st.qf[r] = it.q + (r / it.query_len) * it.q_head_stride + (r % it.query_len) * it.q_pos_stride;
       st.q[r] = st.qf[r];
-      if (kernels.scores_math == Math::kBFloat16Dot) {
+      if (dot) {
         uint16_t* qb = q_bf16.data() + (k * rows + r) * dk_even;
-        ToBFloat16(st.qf[r], qb, dk);
+        for (int64_t e = 0; e < dk; ++e) q_scaled[e] = st.qf[r][e] * it.scale;
+        ToBFloat16(q_scaled.data(), qb, dk);
         st.q[r] = qb;
       }
       st.acc[r] = p + 2;
@@ -981,12 +1021,11 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
         next_v = static_cast<const char*>(cache.ValueBlock(next_block, next_head));
       }
       if (tiles) {
-        TileScores(q_bf16.data() + k * rows * dk_even, dk_even * 2, static_cast<int>(rows), kb,
-                   dk, it.scale, scores, next_k);
+        TileScores(q_bf16.data() + k * rows * dk_even, dk_even * 2, kb, dk, scores, next_k);
       } else {
         for (int64_t r = 0; r < rows; r += kScoreRows) {
           const int c = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
-          kernels.scores(st.q + r, c, kb, n, dk, it.scale, scores + r * kBlockRows,
+          kernels.scores(st.q + r, c, kb, n, dk, dot ? 1.0f : it.scale, scores + r * kBlockRows,
                          r == 0 ? next_k : nullptr);
         }
       }
@@ -1061,6 +1100,25 @@ void Merge(const DecodeItem& it, const float* partials, int64_t units) {
 bool SameSession(const DecodeItem& a, const DecodeItem& b) {
   return a.cache == b.cache && a.keys == b.keys && a.group == b.group &&
          a.query_len == b.query_len && a.fast == b.fast;
+}
+
+// Room for `floats` partial results (uninitialised: RunUnit sets its own):
+// this thread's buffer, kept from call to call up to 4 MiB (a fresh
+// vector's page faults and zeroing were 9-13 us of a grouped-query step,
+// 2026-11-27), else `own`, for this call.
+float* PartialsBuffer(int64_t floats, std::unique_ptr<float[]>& own) {
+  constexpr int64_t kKeptFloats = (int64_t{4} << 20) / sizeof(float);
+  if (floats > kKeptFloats) {
+    own.reset(new float[static_cast<size_t>(floats)]);
+    return own.get();
+  }
+  thread_local std::unique_ptr<float[]> kept;
+  thread_local int64_t kept_floats = 0;
+  if (kept_floats < floats) {
+    kept.reset(new float[static_cast<size_t>(floats)]);
+    kept_floats = floats;
+  }
+  return kept.get();
 }
 
 // [0, blocks) in `count` ranges of equal size: their bounds.
@@ -1152,25 +1210,43 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
       }
     }
   }
-  std::vector<float> partials(static_cast<size_t>(partial_floats));
+  std::unique_ptr<float[]> own_partials;
+  float* const partials = PartialsBuffer(partial_floats, own_partials);
   const int64_t total = static_cast<int64_t>(units.size());
   const int team = static_cast<int>(std::min<int64_t>(threads, total));
   if (team <= 1) {
-    for (const Unit& u : units) RunUnit(u, items, partials.data());
-    for (int64_t k = 0; k < n; ++k) Merge(items[k], partials.data() + partial_offset[k], chunks[k]);
+    for (const Unit& u : units) RunUnit(u, items, partials);
+    for (int64_t k = 0; k < n; ++k) Merge(items[k], partials + partial_offset[k], chunks[k]);
     return;
   }
 #pragma omp parallel num_threads(team)
   {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < total; ++u) RunUnit(units[u], items, partials.data());
+    for (int64_t u = 0; u < total; ++u) RunUnit(units[u], items, partials);
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < n; ++k) Merge(items[k], partials.data() + partial_offset[k], chunks[k]);
+    for (int64_t k = 0; k < n; ++k) Merge(items[k], partials + partial_offset[k], chunks[k]);
   }
 }
 
 void UsePortableDecodeKernelsForTesting(bool portable) {
   portable_kernels_for_testing.store(portable, std::memory_order_relaxed);
+}
+
+bool DecodeExpForTesting(bool fast, const float* x, float* y, int64_t n) {
+#ifdef ATTN_DECODE_AVX512
+  if (!__builtin_cpu_supports("avx512f")) return false;
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t count = std::min<int64_t>(16, n - i);
+    alignas(64) float in[16] = {}, out[16];
+    std::memcpy(in, x + i, static_cast<size_t>(count) * sizeof(float));
+    ExpForTesting(fast, in, out);
+    std::memcpy(y + i, out, static_cast<size_t>(count) * sizeof(float));
+  }
+  return true;
+#else
+  (void)fast, (void)x, (void)y, (void)n;
+  return false;
+#endif
 }
 
 bool DecodeTilesAvailable() { return TilesUsable(); }

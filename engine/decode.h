@@ -79,6 +79,11 @@ int64_t DecodeUnitsPerSession(int64_t sessions, int threads);
 // has what they gained.
 std::vector<int64_t> ShrinkingBlockRanges(int64_t blocks, int threads);
 
+// Tests: y = exp(x) over n floats as the softmax step's AVX-512 kernels
+// compute it, `fast` as under precision FAST. False (y untouched) where the
+// CPU has no AVX-512.
+bool DecodeExpForTesting(bool fast, const float* x, float* y, int64_t n);
+
 // Tests: true makes RunDecode use its portable loops on every CPU.
 void UsePortableDecodeKernelsForTesting(bool portable);
 
