@@ -400,9 +400,11 @@ ATTN_AVX512 inline float SumOf(__m512 x) {
 
 // Prepare for a whole block (n <= kBlockRows = 64 scores, four registers),
 // with no calls: the exponentials of a grouped-query step are a fifth of its
-// arithmetic. kFastExp: Exp16Fast, for precision FAST.
+// arithmetic. The weights are left in p. kFastExp: Exp16Fast, for precision
+// FAST.
 template <bool kFastExp>
-ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_partial) {
+ATTN_AVX512 inline float SoftmaxStep(const float* s, int64_t visible, float* row_partial,
+                                     __m512 (&p)[4]) {
   static_assert(kBlockRows == 64);
   float& m = row_partial[0];
   float& l = row_partial[1];
@@ -433,7 +435,7 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
   }
   if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
     ATTN_UNROLL
-    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + 16 * t, _mm512_setzero_ps());
+    for (int t = 0; t < 4; ++t) p[t] = _mm512_setzero_ps();
     return 1.0f;
   }
   const float correction = m == -std::numeric_limits<float>::infinity() ? 0.0f
@@ -444,13 +446,32 @@ ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_p
   ATTN_UNROLL
   for (int t = 0; t < 4; ++t) {
     const __m512 shifted = _mm512_sub_ps(x[t], shift);
-    const __m512 p =
-        _mm512_maskz_mov_ps(lanes[t], kFastExp ? Exp16Fast(shifted) : Exp16(shifted));
-    sum = _mm512_add_ps(sum, p);
-    _mm512_storeu_ps(s + 16 * t, p);
+    p[t] = _mm512_maskz_mov_ps(lanes[t], kFastExp ? Exp16Fast(shifted) : Exp16(shifted));
+    sum = _mm512_add_ps(sum, p[t]);
   }
   l = l * correction + SumOf(sum);
   m = m_new;
+  return correction;
+}
+
+template <bool kFastExp>
+ATTN_AVX512 float Avx512Prepare(float* s, int64_t visible, int64_t, float* row_partial) {
+  __m512 p[4];
+  const float correction = SoftmaxStep<kFastExp>(s, visible, row_partial, p);
+  ATTN_UNROLL
+  for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + 16 * t, p[t]);
+  return correction;
+}
+
+// Avx512Prepare<true> with the weights rounded to bfloat16 into w (64 of
+// them): the tile multiplies' operand, so that they need no pass of their
+// own to convert (FAST).
+ATTN_AVX512_BF16 float PrepareToBFloat16(const float* s, int64_t visible, float* row_partial,
+                                         uint16_t* w) {
+  __m512 p[4];
+  const float correction = SoftmaxStep<true>(s, visible, row_partial, p);
+  _mm512_storeu_si512(w, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[1], p[0])));
+  _mm512_storeu_si512(w + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[3], p[2])));
   return correction;
 }
 
@@ -806,25 +827,15 @@ ATTN_TILES void TileScores(const uint16_t* q, int64_t q_stride, const void* kt, 
   ATTN_TILE_STORE(3, s + 48, kScoreStride);
 }
 
-// acc[r] = acc[r] * correction[r] + sum_j p[r * kBlockRows + j] v_j over
+// acc[r] = acc[r] * correction[r] + sum_j w[r * kBlockRows + j] v_j over
 // the block's 64 value rows (the weights past the sequence are 0, its rows
-// zeros), the tiles configured for `rows` rows: the weights rounded to
-// bfloat16, four chunks of 16 value elements at a time in the sum tiles,
-// then added to the sums in registers. next_v as next_k, a slice per four
-// chunks and half block.
-ATTN_TILES void TileAccumulate(const float* p, int rows, float* const* acc,
+// zeros), the tiles configured for `rows` rows: w holds the weights rounded
+// to bfloat16 (PrepareToBFloat16), four chunks of 16 value elements at a
+// time in the sum tiles, then added to the sums in registers. next_v as
+// next_k, a slice per four chunks and half block.
+ATTN_TILES void TileAccumulate(const uint16_t* weights, int rows, float* const* acc,
                                const float* correction, const void* v, int64_t d,
                                const char* next_v) {
-  alignas(64) uint16_t weights[16 * kBlockRows];
-  for (int r = 0; r < rows; ++r) {
-    const float* pr = p + r * kBlockRows;
-    ATTN_UNROLL
-    for (int t = 0; t < kBlockRows / 32; ++t) {
-      const __m512bh w =
-          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 32 * t + 16), _mm512_loadu_ps(pr + 32 * t));
-      _mm512_store_si512(weights + r * kBlockRows + 32 * t, reinterpret_cast<__m512i>(w));
-    }
-  }
   const int64_t pair_bytes = d * 4;
   const int64_t chunks = d / 16;
   const int64_t passes = (chunks + 3) / 4;
@@ -886,8 +897,9 @@ bool TilesFit(int64_t, int64_t, int64_t) { return false; }
 void LoadTileConfig(int) {}
 void ReleaseTiles() {}
 void TileScores(const uint16_t*, int64_t, const void*, int64_t, float*, const char*) {}
-void TileAccumulate(const float*, int, float* const*, const float*, const void*, int64_t,
+void TileAccumulate(const uint16_t*, int, float* const*, const float*, const void*, int64_t,
                     const char*) {}
+float PrepareToBFloat16(const float*, int64_t, float*, uint16_t*) { return 1.0f; }
 
 #endif  // ATTN_DECODE_AVX512
 
@@ -960,6 +972,8 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   const BlockKernels kernels = KernelsFor(dv, math);
   // Scores of every query row against one block.
   alignas(64) float scores[kMaxDecodeRows * kBlockRows];
+  // With tiles, the weights rounded to bfloat16.
+  alignas(64) uint16_t weights[kMaxDecodeRows * kBlockRows];
   float correction[kMaxDecodeRows];
   thread_local std::vector<ItemRows> states;
   states.resize(static_cast<size_t>(count));
@@ -1033,10 +1047,13 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
         const int64_t i = r % it.query_len;
         int64_t visible = n;
         if (it.causal) visible = std::min(n, i + it.keys - it.query_len - first_row + 1);
-        correction[r] = kernels.prepare(scores + r * kBlockRows, visible, n, st.partial + r * (dv + 2));
+        float* const partial = st.partial + r * (dv + 2);
+        correction[r] = tiles ? PrepareToBFloat16(scores + r * kBlockRows, visible, partial,
+                                                  weights + r * kBlockRows)
+                              : kernels.prepare(scores + r * kBlockRows, visible, n, partial);
       }
       if (tiles) {
-        TileAccumulate(scores, static_cast<int>(rows), st.acc, correction, vb, dv, next_v);
+        TileAccumulate(weights, static_cast<int>(rows), st.acc, correction, vb, dv, next_v);
       } else {
         kernels.accumulate(scores, static_cast<int>(rows), st.acc, correction, vb, n, dv, next_v);
       }
