@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #include "engine/kernels.h"
@@ -1119,23 +1118,19 @@ bool SameSession(const DecodeItem& a, const DecodeItem& b) {
          a.query_len == b.query_len && a.fast == b.fast;
 }
 
-// Room for `floats` partial results (uninitialised: RunUnit sets its own):
-// this thread's buffer, kept from call to call up to 4 MiB (a fresh
-// vector's page faults and zeroing were 9-13 us of a grouped-query step,
-// 2026-11-27), else `own`, for this call.
-float* PartialsBuffer(int64_t floats, std::unique_ptr<float[]>& own) {
-  constexpr int64_t kKeptFloats = (int64_t{4} << 20) / sizeof(float);
-  if (floats > kKeptFloats) {
-    own.reset(new float[static_cast<size_t>(floats)]);
-    return own.get();
+// Room for `floats` partial results (RunUnit sets its own): this thread's
+// buffer, kept from call to call up to 4 MiB and grown, not zeroed, per
+// call (a fresh vector's page faults and zeroing were 9-13 us of a
+// grouped-query step, 2026-11-27), else `own`, for this call.
+float* PartialsBuffer(int64_t floats, std::vector<float>& own) {
+  const size_t size = static_cast<size_t>(floats);
+  if (floats > (int64_t{4} << 20) / static_cast<int64_t>(sizeof(float))) {
+    own.resize(size);
+    return own.data();
   }
-  thread_local std::unique_ptr<float[]> kept;
-  thread_local int64_t kept_floats = 0;
-  if (kept_floats < floats) {
-    kept.reset(new float[static_cast<size_t>(floats)]);
-    kept_floats = floats;
-  }
-  return kept.get();
+  thread_local std::vector<float> kept;
+  if (kept.size() < size) kept.resize(size);
+  return kept.data();
 }
 
 // [0, blocks) in `count` ranges of equal size: their bounds.
@@ -1227,7 +1222,7 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
       }
     }
   }
-  std::unique_ptr<float[]> own_partials;
+  std::vector<float> own_partials;
   float* const partials = PartialsBuffer(partial_floats, own_partials);
   const int64_t total = static_cast<int64_t>(units.size());
   const int team = static_cast<int>(std::min<int64_t>(threads, total));
