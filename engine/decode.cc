@@ -83,9 +83,10 @@ float Prepare(float* s, int64_t visible, int64_t n, float* row_partial) {
 
 // How a step multiplies: float32 math over a FLOAT32 or a BFLOAT16 cache
 // (its elements widened exactly), or, for precision FAST over a BFLOAT16
-// cache on CPUs with avx512_bf16, bf16 dot products (vdpbf16ps: the query
-// and the softmax weights rounded to bfloat16, float32 sums), which do two
-// multiply-adds per lane and instruction.
+// cache, bf16 products (the query and the softmax weights rounded to
+// bfloat16, float32 sums): tile multiplies, or bf16 dot products
+// (vdpbf16ps, two multiply-adds per lane and instruction) on CPUs where
+// those beat the widening (DotProductsFaster).
 enum class Math { kFloat32, kBFloat16, kBFloat16Dot };
 
 // Up to kScoreRows query rows' scores against one block's keys at a time:
@@ -626,10 +627,13 @@ void Avx512AccumulatePass(const float* p, float* const* acc, const float* correc
 }
 
 // The most value chunks one pass of kRows rows takes: as many as the
-// registers hold beside them (kRows x pass sums, the pass's value chunks: two
-// registers each when widened from bfloat16 pairs).
+// registers hold beside them (kRows x pass sums, a chunk's values and the
+// rows' weights). The same for every math: a BFLOAT16 chunk widened into
+// two registers is used at once, so it needs three, not two per chunk of
+// the pass (pairs of rows took 4 chunks until 2026-11-27: grouped-query
+// steps over BFLOAT16 with float32 math were 5-7% slower).
 template <Math kMath, int kRows>
-constexpr int kMostChunksOf = kRows == 1 ? 8 : (kRows == 2 && kMath != Math::kBFloat16) ? 8 : 4;
+constexpr int kMostChunksOf = kRows <= 2 ? 8 : 4;
 
 // kRows rows, every chunk of the value rows, in passes of kMostChunksOf.
 template <Math kMath, int kRows>
@@ -667,10 +671,11 @@ void Avx512AccumulateRows(const float* p, float* const* acc, const float* correc
 // Value dims that are a multiple of 16. Rows go four at a time where one
 // pass over the value rows holds their sums (up to 4 chunks: d <= 64), and
 // two at a time where it does not and two rows' passes hold more chunks
-// (FLOAT32 and bf16 dot products): four rows' sums of d = 128 would take two
+// (d up to 128): four rows' sums of d = 128 would take two
 // passes, each reading the first or second half of every value row, and a
 // cold cache read in such strided halves streamed 7-14% slower
-// (grouped-query FLOAT32 steps, 2026-11-25). Two rows' sums take the whole
+// (grouped-query FLOAT32 steps, 2026-11-25; BFLOAT16, float32 math: 6%,
+// 2026-11-27). Two rows' sums take the whole
 // rows in one pass, so the first pair reads the part from memory in order
 // and the second pair reads it again from L1 or L2. (Out of the CPU's
 // caches that wins; a cache already in L2 or L3 steps about 10% slower.)
@@ -915,8 +920,27 @@ struct BlockKernels {
 
 std::atomic<bool> portable_kernels_for_testing{false};
 std::atomic<bool> tiles_allowed{true};
+std::atomic<bool> dot_products_forced{false};
 
-BlockKernels KernelsFor(int64_t value_dim, Math math) {
+// Whether bf16 dot products beat float32 math for FAST's steps of
+// kMinDotProductRows or more rows on this CPU (without tiles): not on
+// Intel's. There vdpbf16ps takes four times an FMA's issue slots (one per
+// 0.84 ns on a thread against an FMA per 0.21 ns, 2026-11-27), so its two
+// multiply-adds per lane cost twice the FMAs' widened float32 ones, and a
+// grouped-query FAST step ran 6% faster in float32 (docs/benchmarks.md,
+// "Sessions"). The AMD hosts measured until 2026-11-26 ran them faster than
+// float32 math.
+bool DotProductsFaster() {
+#ifdef ATTN_DECODE_AVX512
+  static const bool faster = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
+  return faster || dot_products_forced.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+// fast_exp: Exp16Fast in the softmax step (precision FAST).
+BlockKernels KernelsFor(int64_t value_dim, Math math, bool fast_exp) {
   const bool bf16 = math != Math::kFloat32;
   BlockKernels k{bf16 ? &GenericScores<true> : &GenericScores<false>, &Prepare,
                  bf16 ? &GenericAccumulate<true> : &GenericAccumulate<false>,
@@ -926,7 +950,7 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
   static const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
   if (!avx512 || portable_kernels_for_testing.load(std::memory_order_relaxed)) return k;
   if (math == Math::kBFloat16Dot && !avx512_bf16) math = Math::kBFloat16;
-  k.prepare = math == Math::kBFloat16Dot ? &Avx512Prepare<true> : &Avx512Prepare<false>;
+  k.prepare = fast_exp ? &Avx512Prepare<true> : &Avx512Prepare<false>;
   k.scores_math = math;
   const bool vector_values = value_dim % 16 == 0;
   switch (math) {
@@ -945,6 +969,7 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
   }
 #else
   (void)value_dim;
+  (void)fast_exp;
 #endif
   return k;
 }
@@ -965,10 +990,17 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   // length, rows and precision (RunDecode groups them so).
   const int64_t rows = first.group * first.query_len;
   const int64_t count = u.end_item - u.first_item;
-  const Math math = cache.dtype() == DType::kFloat32                  ? Math::kFloat32
-                    : first.fast && rows >= kMinDotProductRows ? Math::kBFloat16Dot
-                                                                       : Math::kBFloat16;
-  const BlockKernels kernels = KernelsFor(dv, math);
+  // Precision FAST over a BFLOAT16 cache, with enough rows per key/value
+  // head: bf16 products, by tile multiplies where the CPU has them and the
+  // shape fits, else by dot products where those beat float32 math.
+  const bool bf16_products =
+      cache.dtype() == DType::kBFloat16 && first.fast && rows >= kMinDotProductRows;
+  const bool tile_shape = bf16_products && TilesFit(rows, dk, dv) &&
+                          tiles_allowed.load(std::memory_order_relaxed) && TilesUsable();
+  const Math math = cache.dtype() == DType::kFloat32 ? Math::kFloat32
+                    : bf16_products && (tile_shape || DotProductsFaster()) ? Math::kBFloat16Dot
+                                                                           : Math::kBFloat16;
+  const BlockKernels kernels = KernelsFor(dv, math, first.fast);
   // Scores of every query row against one block.
   alignas(64) float scores[kMaxDecodeRows * kBlockRows];
   // With tiles, the weights rounded to bfloat16.
@@ -984,10 +1016,7 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   thread_local std::vector<uint16_t> q_bf16;
   thread_local std::vector<float> q_scaled;
   const int64_t dk_even = (dk + 1) / 2 * 2;
-  // Tile multiplies where the CPU has them and the shape fits, for what
-  // bf16 dot products would compute otherwise.
-  const bool tiles = dot && TilesFit(rows, dk, dv) &&
-                     tiles_allowed.load(std::memory_order_relaxed) && TilesUsable();
+  const bool tiles = dot && tile_shape;
   if (dot) {
     q_bf16.assign(static_cast<size_t>(count * rows * dk_even), 0);
     q_scaled.resize(static_cast<size_t>(dk));
@@ -1264,5 +1293,11 @@ bool DecodeExpForTesting(bool fast, const float* x, float* y, int64_t n) {
 bool DecodeTilesAvailable() { return TilesUsable(); }
 
 void UseDecodeTiles(bool use) { tiles_allowed.store(use, std::memory_order_relaxed); }
+
+bool DecodeDotProductsChosen() { return DotProductsFaster(); }
+
+void ForceDecodeDotProducts(bool force) {
+  dot_products_forced.store(force, std::memory_order_relaxed);
+}
 
 }  // namespace attention::internal

@@ -38,16 +38,18 @@ struct DecodeItem {
   float scale = 1.0f;
   // BOTTOM_RIGHT: query row i sees cached keys j <= i + keys - query_len.
   bool causal = false;
-  // Precision FAST: over a BFLOAT16 cache, on CPUs with avx512_bf16, and
-  // for at least kMinDotProductRows query rows (group x query_len), bf16 dot
-  // products (the query and the softmax weights rounded to bfloat16, float32
-  // sums); float32 math otherwise.
+  // Precision FAST: on CPUs with AVX-512, exponentials to a relative error
+  // under 5e-6; over a BFLOAT16 cache, for at least kMinDotProductRows query
+  // rows (group x query_len), bf16 products (the query and the softmax
+  // weights rounded to bfloat16, float32 sums) by tile multiplies or, where
+  // they are the faster (DecodeDotProductsChosen), dot products; float32
+  // math otherwise.
   bool fast = false;
 };
 
 // Below this many query rows per key/value head, FAST computes in float32:
-// there the bf16 dot products were the slower of the two (docs/benchmarks.md,
-// "Sessions", has the measurements).
+// there the bf16 dot products were the slower of the two, and tiles would
+// be mostly empty (docs/benchmarks.md, "Sessions", has the measurements).
 inline constexpr int64_t kMinDotProductRows = 4;
 
 // Most query rows (group x query_len) of one item.
@@ -90,11 +92,20 @@ void UsePortableDecodeKernelsForTesting(bool portable);
 // Whether this CPU and OS let RunDecode use tile matrix multiplies (AMX)
 // for precision FAST over BFLOAT16 caches (from kMinDotProductRows up to
 // 16 query rows per key/value head, key dims a multiple of 32, value dims
-// of 16), where it would use bf16 dot products otherwise.
+// of 16).
 bool DecodeTilesAvailable();
-// Tests and benchmarks: false makes RunDecode use the dot products instead
-// (true, the default, uses tiles wherever they are available).
+// Tests and benchmarks: false makes RunDecode compute those steps as a CPU
+// without tiles does (true, the default, uses tiles wherever they are
+// available).
 void UseDecodeTiles(bool use);
+
+// Whether FAST's steps that take no tiles use bf16 dot products on this CPU
+// (avx512_bf16, and not an Intel CPU, where float32 math is the faster) or
+// float32 math.
+bool DecodeDotProductsChosen();
+// Tests and benchmarks: true makes those steps use bf16 dot products on
+// every CPU with avx512_bf16 (false, the default, uses them where chosen).
+void ForceDecodeDotProducts(bool force);
 
 }  // namespace attention::internal
 
