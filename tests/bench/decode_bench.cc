@@ -36,6 +36,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -212,6 +213,46 @@ __attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, sum);
   return lanes[0];
+}
+
+// The same chains of bf16 dot products (vdpbf16ps: two multiply-adds per
+// lane and instruction): against FmaLoop, what each costs on this CPU,
+// which decides whether FAST's steps without tiles take them
+// (internal::DecodeDotProductsChosen).
+__attribute__((target("avx512f,avx512bf16"))) float DotLoop(int64_t n) {
+  __m512 a[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+  __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5f), _mm512_set1_ps(0.25f));
+  const __m512bh c = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.001f), _mm512_set1_ps(0.002f));
+  for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbf16_ps(a[i], b, c);
+    asm volatile("" : "+v"(a[0]), "+v"(a[6]), "+v"(a[11]), "+v"(b));
+  }
+  __m512 sum = a[0];
+#pragma GCC unroll 12
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, a[i]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  return lanes[0];
+}
+
+// Nanoseconds per instruction of FmaLoop and DotLoop on this thread, the
+// medians of 7 alternating timings each.
+std::pair<double, double> FmaAndDotNanoseconds() {
+  constexpr int64_t kIterations = 1'000'000;
+  std::vector<double> fma, dot;
+  volatile float sink = 0;
+  for (int r = 0; r < 7; ++r) {
+    absl::Time t0 = absl::Now();
+    sink = sink + FmaLoop(kIterations);
+    fma.push_back(absl::ToDoubleNanoseconds(absl::Now() - t0) / (kIterations * 12));
+    t0 = absl::Now();
+    sink = sink + DotLoop(kIterations);
+    dot.push_back(absl::ToDoubleNanoseconds(absl::Now() - t0) / (kIterations * 12));
+  }
+  return {Median(fma), Median(dot)};
 }
 #endif
 
@@ -418,12 +459,41 @@ int Main(int argc, char** argv) {
               "steps each starting with its data flushed from the CPU's caches;\nmedians of the "
               "rounds' ratios\n",
               kRounds, threads, threads);
-  // FAST takes tile multiplies (AMX) where the CPU has them; the same
-  // steps with bf16 dot products are then shown beside them.
+  // FAST takes tile multiplies (AMX) where the CPU has them: the same
+  // steps as a CPU without them computes them are then shown beside them
+  // ("NO TILES"); where that is float32 math and the CPU has bf16 dot
+  // products, the steps with those too ("BF16 DOT"), which such a CPU
+  // would otherwise have taken.
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
+  if (bf16_dot) {
+    const auto [fma_ns, dot_ns] = FmaAndDotNanoseconds();
+    std::printf("one thread: a 16-lane FMA per %.3f ns, a bf16 dot product (vdpbf16ps) per %.3f ns "
+                "(%.2fx); FAST without tiles takes %s\n",
+                fma_ns, dot_ns, dot_ns / fma_ns,
+                internal::DecodeDotProductsChosen() ? "bf16 dot products" : "float32 math");
+  }
+#else
+  const bool bf16_dot = false;
+#endif
+  struct Variant {
+    const char* name;
+    bool tiles, dot;
+  };
+  std::vector<Variant> variants;
   const bool tiles = internal::DecodeTilesAvailable();
+  if (tiles) variants.push_back({"NO TILES", false, false});
+  if (bf16_dot && !internal::DecodeDotProductsChosen()) {
+    variants.push_back({"BF16 DOT", false, true});
+  }
   if (tiles) {
     std::printf("BF16 FAST: tile multiplies (AMX) where the step has 4 to 16 query rows per "
-                "key/value head;\nBF16 DOT: the same steps with bf16 dot products\n");
+                "key/value head;\nNO TILES: the same steps as without them (%s)\n",
+                internal::DecodeDotProductsChosen() ? "bf16 dot products" : "float32 math");
+  }
+  if (variants.size() > (tiles ? 1 : 0)) {
+    std::printf("BF16 DOT: the same steps with bf16 dot products, which FAST does not take "
+                "on this CPU\n");
   }
   std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
@@ -431,9 +501,12 @@ int Main(int argc, char** argv) {
     if (only != nullptr && std::strstr(s.name, only) == nullptr) continue;
     Decoder f32(s, DType::kFloat32), bf16(s, DType::kBFloat16);
     // Per round: probe GB/s, FMA peak, and each step's seconds.
-    std::vector<double> bandwidth, peak, t_f32, t_bf16, t_fast, t_dot;
-    std::vector<double> f32_vs_probe, bf16_vs_probe, fast_vs_probe, dot_vs_probe, f32_peak,
-        bf16_peak, bf16_up, fast_up, dot_up;
+    std::vector<double> bandwidth, peak, t_f32, t_bf16, t_fast;
+    std::vector<double> f32_vs_probe, bf16_vs_probe, fast_vs_probe, f32_peak, bf16_peak, bf16_up,
+        fast_up;
+    // Per variant.
+    std::vector<std::vector<double>> t_var(variants.size()), var_vs_probe(variants.size()),
+        var_up(variants.size());
     const double group = static_cast<double>(s.heads / s.kv_heads);
     for (int r = 0; r < kRounds; ++r) {
       std::vector<Timed> calls = {
@@ -442,11 +515,13 @@ int Main(int argc, char** argv) {
           {[&] { f32.Step(*engine, false); }, [&] { f32.Flush(threads); }},
           {[&] { bf16.Step(*engine, false); }, [&] { bf16.Flush(threads); }},
           {[&] { bf16.Step(*engine, true); }, [&] { bf16.Flush(threads); }}};
-      if (tiles) {
+      for (const Variant& v : variants) {
         calls.push_back({[&] {
-                           internal::UseDecodeTiles(false);
+                           internal::UseDecodeTiles(v.tiles);
+                           internal::ForceDecodeDotProducts(v.dot);
                            bf16.Step(*engine, true);
                            internal::UseDecodeTiles(true);
+                           internal::ForceDecodeDotProducts(false);
                          },
                          [&] { bf16.Flush(threads); }});
       }
@@ -464,10 +539,10 @@ int Main(int argc, char** argv) {
       bf16_peak.push_back(bf16.bytes_per_step() / t_bf16.back() * group / 2 / peak.back());
       bf16_up.push_back(t_f32.back() / t_bf16.back());
       fast_up.push_back(t_f32.back() / t_fast.back());
-      if (tiles) {
-        t_dot.push_back(t[5]);
-        dot_vs_probe.push_back(bf16.bytes_per_step() / t_dot.back() / bandwidth.back());
-        dot_up.push_back(t_f32.back() / t_dot.back());
+      for (size_t v = 0; v < variants.size(); ++v) {
+        t_var[v].push_back(t[5 + v]);
+        var_vs_probe[v].push_back(bf16.bytes_per_step() / t_var[v].back() / bandwidth.back());
+        var_up[v].push_back(t_f32.back() / t_var[v].back());
       }
     }
     const double probe_gb = Median(bandwidth) / 1e9;
@@ -487,18 +562,18 @@ int Main(int argc, char** argv) {
     row("FLOAT32", t_f32, f32.bytes_per_step(), f32_vs_probe,
         have_peak ? text("%.2fx", Median(f32_peak)).c_str() : "",
         s.target ? verdict(Median(f32_vs_probe) >= kDecodeBandwidthRatio) : "", "");
-    // BFLOAT16 with float32 math (precision EXACT), and with bf16 dot
-    // products (precision FAST): the target is the speed a caller who picks
-    // the smaller cache for speed gets, FAST; EXACT is shown beside it.
+    // BFLOAT16 under precision EXACT and FAST: the target is the speed a
+    // caller who picks the smaller cache for speed gets, FAST; EXACT is
+    // shown beside it.
     row("BF16", t_bf16, bf16.bytes_per_step(), bf16_vs_probe,
         have_peak ? text("%.2fx", Median(bf16_peak)).c_str() : "", "",
         text("%.2fx", Median(bf16_up)).c_str());
     row("BF16 FAST", t_fast, bf16.bytes_per_step(), fast_vs_probe, "",
         s.target ? verdict(Median(fast_up) >= kBFloat16SpeedUp) : "",
         text("%.2fx", Median(fast_up)).c_str());
-    if (tiles) {
-      row("BF16 DOT", t_dot, bf16.bytes_per_step(), dot_vs_probe, "", "",
-          text("%.2fx", Median(dot_up)).c_str());
+    for (size_t v = 0; v < variants.size(); ++v) {
+      row(variants[v].name, t_var[v], bf16.bytes_per_step(), var_vs_probe[v], "", "",
+          text("%.2fx", Median(var_up[v])).c_str());
     }
   }
   if (only != nullptr && std::strcmp(only, "prefill") != 0) return enforce && !ok ? 1 : 0;
