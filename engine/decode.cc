@@ -924,8 +924,8 @@ std::atomic<bool> dot_products_forced{false};
 
 // Whether bf16 dot products beat float32 math for FAST's steps of
 // kMinDotProductRows or more rows on this CPU (without tiles): not on
-// Intel's. There vdpbf16ps takes four times an FMA's issue slots (one per
-// 0.84 ns on a thread against an FMA per 0.21 ns, 2026-11-27), so its two
+// Intel's. There one vdpbf16ps takes as long as four FMAs (one per 0.84 ns
+// on a thread against an FMA per 0.21 ns, 2026-11-27), so its two
 // multiply-adds per lane cost twice the FMAs' widened float32 ones, and a
 // grouped-query FAST step ran 6% faster in float32 (docs/benchmarks.md,
 // "Sessions"). The AMD hosts measured until 2026-11-26 ran them faster than
