@@ -193,20 +193,13 @@ class ReadProbe {
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// 16-lane FMAs on 12 independent chains (more than latency x throughput),
-// each in a register: every loop over the chains is unrolled whole, or -O2
-// keeps them in an array on the stack and the probe times stores.
-__attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
-  __m512 a[12];
+// The 12 chains of the loops below: their start, and their sum's first
+// lane (what keeps the loops' work from being dropped).
+__attribute__((target("avx512f"))) inline void StartChains(__m512 (&a)[12]) {
 #pragma GCC unroll 12
   for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
-  const __m512 b = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(0.0001f);
-  for (int64_t k = 0; k < n; ++k) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
-    // Keeps the loop from being folded.
-    asm volatile("" : "+v"(a[0]), "+v"(a[6]), "+v"(a[11]));
-  }
+}
+__attribute__((target("avx512f"))) inline float FirstLaneOfSum(const __m512 (&a)[12]) {
   __m512 sum = a[0];
 #pragma GCC unroll 12
   for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, a[i]);
@@ -215,14 +208,29 @@ __attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
   return lanes[0];
 }
 
+// 16-lane FMAs on 12 independent chains (more than latency x throughput),
+// each in a register: every loop over the chains is unrolled whole, or -O2
+// keeps them in an array on the stack and the probe times stores.
+__attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
+  __m512 a[12];
+  StartChains(a);
+  const __m512 b = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(0.0001f);
+  for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
+    // Keeps the loop from being folded.
+    asm volatile("" : "+v"(a[0]), "+v"(a[6]), "+v"(a[11]));
+  }
+  return FirstLaneOfSum(a);
+}
+
 // The same chains of bf16 dot products (vdpbf16ps: two multiply-adds per
 // lane and instruction): against FmaLoop, what each costs on this CPU,
 // which decides whether FAST's steps without tiles take them
 // (internal::DecodeDotProductsChosen).
 __attribute__((target("avx512f,avx512bf16"))) float DotLoop(int64_t n) {
   __m512 a[12];
-#pragma GCC unroll 12
-  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+  StartChains(a);
   __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5f), _mm512_set1_ps(0.25f));
   const __m512bh c = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.001f), _mm512_set1_ps(0.002f));
   for (int64_t k = 0; k < n; ++k) {
@@ -230,12 +238,7 @@ __attribute__((target("avx512f,avx512bf16"))) float DotLoop(int64_t n) {
     for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbf16_ps(a[i], b, c);
     asm volatile("" : "+v"(a[0]), "+v"(a[6]), "+v"(a[11]), "+v"(b));
   }
-  __m512 sum = a[0];
-#pragma GCC unroll 12
-  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, a[i]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, sum);
-  return lanes[0];
+  return FirstLaneOfSum(a);
 }
 
 // Nanoseconds per instruction of FmaLoop and DotLoop on this thread, the
