@@ -485,16 +485,15 @@ int Main(int argc, char** argv) {
   };
   std::vector<Variant> variants;
   const bool tiles = internal::DecodeTilesAvailable();
+  const bool dot_not_taken = bf16_dot && !internal::DecodeDotProductsChosen();
   if (tiles) variants.push_back({"NO TILES", false, false});
-  if (bf16_dot && !internal::DecodeDotProductsChosen()) {
-    variants.push_back({"BF16 DOT", false, true});
-  }
+  if (dot_not_taken) variants.push_back({"BF16 DOT", false, true});
   if (tiles) {
     std::printf("BF16 FAST: tile multiplies (AMX) where the step has 4 to 16 query rows per "
                 "key/value head;\nNO TILES: the same steps as without them (%s)\n",
                 internal::DecodeDotProductsChosen() ? "bf16 dot products" : "float32 math");
   }
-  if (variants.size() > (tiles ? 1 : 0)) {
+  if (dot_not_taken) {
     std::printf("BF16 DOT: the same steps with bf16 dot products, which FAST does not take "
                 "on this CPU\n");
   }
