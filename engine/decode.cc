@@ -205,8 +205,9 @@ ATTN_AVX512 inline void FinishScores(const __m512 (&acc)[kRows][4], float scale,
                                      const SoftmaxRows& softmax);
 
 // Scores of kRows rows against the block's 64 keys, in four registers of 16
-// keys each. Whole blocks are computed (the rows past n are zeros); n only
-// bounds what the caller reads.
+// keys each, then each row's softmax step (FinishScores). Whole blocks are
+// computed (the rows past n are zeros); the step weighs only each row's
+// visible keys.
 template <int kRows, bool kPrefetch>
 ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64_t d, float scale,
                                      float* s, const char* next_k, const SoftmaxRows& softmax) {

@@ -88,10 +88,12 @@ void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, f
 
 std::vector<float> Values(const FloatBuffer& b) { return {b.begin(), b.end()}; }
 
-// The largest |a[i] - b[i]|.
+// The largest |a[i] - b[i]|; infinity when the sizes differ, so that a
+// bound on it fails.
 float MaxAbsDifference(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<float>::infinity();
   float worst = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
   return worst;
 }
 
