@@ -58,26 +58,6 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Seconds per call of `f`, the median of `rounds` rounds of at least
-// `min_seconds` each.
-template <typename F>
-double TimePerCall(F f, int rounds, double min_seconds) {
-  f();  // warm-up
-  std::vector<double> per_call;
-  for (int r = 0; r < rounds; ++r) {
-    int calls = 0;
-    const absl::Time start = absl::Now();
-    double elapsed = 0;
-    do {
-      f();
-      ++calls;
-      elapsed = absl::ToDoubleSeconds(absl::Now() - start);
-    } while (elapsed < min_seconds);
-    per_call.push_back(elapsed / calls);
-  }
-  return Median(per_call);
-}
-
 // A timed call and what runs, untimed, before each call of it.
 struct Timed {
   std::function<void()> call;
@@ -385,8 +365,9 @@ class Decoder {
 };
 
 // Prefill of `keys` rows (causal) into a new session, and the same call
-// stateless, alternating over `rounds` rounds: the median seconds of each,
-// and the median of the rounds' ratios.
+// stateless, one call each in turn for at least a second each per round
+// (so that a neighbour's load falls on both alike), over `rounds` rounds:
+// the median seconds of each, and the median of the rounds' ratios.
 struct PrefillFigures {
   double session = 0, stateless = 0, ratio = 0;
 };
@@ -397,25 +378,26 @@ PrefillFigures Prefill(const Engine& engine, int64_t heads, int64_t keys, int64_
   args.query = TensorView{DType::kFloat32, {1, keys, heads * dim}, x.data(), x.size() * 4};
   args.num_heads = heads;
   args.mask.causal = Causal::kBottomRight;
+  const std::vector<Timed> calls = {
+      {[&] {
+        if (!engine.Attend(args).ok()) std::exit(2);
+      }},
+      {[&] {
+        std::unique_ptr<KvCache> cache =
+            std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
+        SessionCall s{{cache.get()}, false};
+        EngineCall call{&args, nullptr};
+        call.session = &s;
+        if (!engine.AttendBatch({&call, 1}).front().ok()) std::exit(2);
+        cache->Commit();
+      }},
+  };
   std::vector<double> session, stateless, ratio;
   for (int r = 0; r < rounds; ++r) {
-    stateless.push_back(TimePerCall(
-        [&] {
-          if (!engine.Attend(args).ok()) std::exit(2);
-        },
-        1, 0.3));
-    session.push_back(TimePerCall(
-        [&] {
-          std::unique_ptr<KvCache> cache =
-              std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
-          SessionCall s{{cache.get()}, false};
-          EngineCall call{&args, nullptr};
-          call.session = &s;
-          if (!engine.AttendBatch({&call, 1}).front().ok()) std::exit(2);
-          cache->Commit();
-        },
-        1, 0.3));
-    ratio.push_back(session.back() / stateless.back());
+    const std::vector<double> t = TimeInterleaved(calls, 1.0);
+    stateless.push_back(t[0]);
+    session.push_back(t[1]);
+    ratio.push_back(t[1] / t[0]);
   }
   return {Median(session), Median(stateless), Median(ratio)};
 }
