@@ -232,8 +232,37 @@ ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64
   FinishScores<kRows>(acc, scale, s, softmax);
 }
 
+// One pair of key elements (2i, 2i + 1) of the block's 64 keys, four
+// registers of 16 pairs, each widened by a shift and a mask; kSecond false:
+// the last pair of an odd d, which has one element.
+template <int kRows, bool kSecond>
+ATTN_AVX512 inline void ScorePair(const void* const* q, const char* row, int64_t i,
+                                  __m512 (&acc)[kRows][4]) {
+  ATTN_UNROLL
+  for (int t = 0; t < 4; ++t) {
+    const __m512i x = _mm512_loadu_si512(row + 64 * t);
+    const __m512 first_k = FirstOfPairs(x);
+    ATTN_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float* qr = static_cast<const float*>(q[r]);
+      acc[r][t] = _mm512_fmadd_ps(first_k, _mm512_set1_ps(qr[2 * i]), acc[r][t]);
+    }
+    if constexpr (kSecond) {
+      const __m512 second_k = SecondOfPairs(x);
+      ATTN_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const float* qr = static_cast<const float*>(q[r]);
+        acc[r][t] = _mm512_fmadd_ps(second_k, _mm512_set1_ps(qr[2 * i + 1]), acc[r][t]);
+      }
+    }
+  }
+}
+
 // The same over a BFLOAT16 cache, float32 math: each pair of key elements
-// (e, e + 1) of 16 keys is one register, widened by a shift and a mask.
+// (e, e + 1) of 16 keys is one register. The whole pairs are a loop of
+// their own, the last pair of an odd d after it: with the test inside the
+// loop, GCC moved the sums between registers in every pair. (Both kernels
+// so, grouped-query steps ran 2% faster, 2026-11-28.)
 template <int kRows, bool kPrefetch>
 ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int64_t d, float scale,
                                       float* s, const char* next_k, const SoftmaxRows& softmax) {
@@ -241,22 +270,14 @@ ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int6
   const char* base = static_cast<const char*>(kt);
   __m512 acc[kRows][4];
   ZeroScores<kRows>(acc);
-  const int64_t pairs = (d + 1) / 2;
-  for (int64_t i = 0; i < pairs; ++i) {
-    const char* row = base + i * kPairBytes;
-    const bool second = 2 * i + 1 < d;  // the last pair of an odd d has one element
-    ATTN_UNROLL
-    for (int t = 0; t < 4; ++t) {
-      const __m512i x = _mm512_loadu_si512(row + 64 * t);
-      const __m512 first_k = FirstOfPairs(x), second_k = SecondOfPairs(x);
-      ATTN_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const float* qr = static_cast<const float*>(q[r]);
-        acc[r][t] = _mm512_fmadd_ps(first_k, _mm512_set1_ps(qr[2 * i]), acc[r][t]);
-        if (second) acc[r][t] = _mm512_fmadd_ps(second_k, _mm512_set1_ps(qr[2 * i + 1]), acc[r][t]);
-      }
-    }
+  const int64_t whole = d / 2;
+  for (int64_t i = 0; i < whole; ++i) {
+    ScorePair<kRows, true>(q, base + i * kPairBytes, i, acc);
     if constexpr (kPrefetch) Prefetch<kPairBytes>(next_k + i * kPairBytes);
+  }
+  if (d % 2 != 0) {
+    ScorePair<kRows, false>(q, base + whole * kPairBytes, whole, acc);
+    if constexpr (kPrefetch) Prefetch<kPairBytes>(next_k + whole * kPairBytes);
   }
   FinishScores<kRows>(acc, scale, s, softmax);
 }
@@ -547,6 +568,25 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
   StoreSums<kRows, kPass>(a, acc, c0);
 }
 
+// A BFLOAT16 pair of value rows' chunks [c0, c0 + kPass), at `pair`, into
+// the sums a, with the weights p[r * kBlockRows] and p[r * kBlockRows + 1];
+// kSecond false: the first row only (the last of an odd count).
+template <int kRows, int kPass, bool kSecond>
+ATTN_AVX512 inline void ValuePair(const float* p, const char* pair, __m512 (&a)[kRows][kPass]) {
+  ATTN_UNROLL
+  for (int k = 0; k < kPass; ++k) {
+    const __m512i x = _mm512_loadu_si512(pair + 64 * k);
+    const __m512 first_v = FirstOfPairs(x);
+    ATTN_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows]), first_v, a[r][k]);
+      if constexpr (kSecond) {
+        a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows + 1]), SecondOfPairs(x), a[r][k]);
+      }
+    }
+  }
+}
+
 template <int kRows, int kPass, bool kPrefetch>
 ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
                                           const float* correction, const void* v, int64_t n,
@@ -556,22 +596,22 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
   LoadSums<kRows, kPass>(acc, correction, c0, a);
-  for (int64_t j = 0; j < n; j += 2) {
-    const char* pair = base + (j / 2) * pair_bytes;
-    const bool second = j + 1 < n;
-    ATTN_UNROLL
-    for (int k = 0; k < kPass; ++k) {
-      const __m512i x = _mm512_loadu_si512(pair + 64 * k);
-      const __m512 first_v = FirstOfPairs(x), second_v = SecondOfPairs(x);
-      ATTN_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows + j]), first_v, a[r][k]);
-        if (second) {
-          a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlockRows + j + 1]), second_v, a[r][k]);
-        }
-      }
+  // Whole pairs, then the last row of an odd n: with the test for it
+  // inside the loop, GCC computed every pair's addresses anew, short of
+  // registers for them.
+  const char* pair = base;
+  const char* prefetch = next_v;
+  int64_t j = 0;
+  for (; j + 1 < n; j += 2, pair += pair_bytes) {
+    ValuePair<kRows, kPass, true>(p + j, pair, a);
+    if constexpr (kPrefetch) {
+      PrefetchSlice(prefetch, step);
+      prefetch += step;
     }
-    if constexpr (kPrefetch) PrefetchSlice(next_v + (j / 2) * step, step);
+  }
+  if (j < n) {
+    ValuePair<kRows, kPass, false>(p + j, pair, a);
+    if constexpr (kPrefetch) PrefetchSlice(prefetch, step);
   }
   StoreSums<kRows, kPass>(a, acc, c0);
 }
