@@ -365,9 +365,9 @@ class Decoder {
 };
 
 // Prefill of `keys` rows (causal) into a new session, and the same call
-// stateless, one call each in turn for at least a second each per round
-// (so that a neighbour's load falls on both alike), over `rounds` rounds:
-// the median seconds of each, and the median of the rounds' ratios.
+// stateless, interleaved (TimeInterleaved, at least a second each per
+// round) over `rounds` rounds: the median seconds of each, and the median
+// of the rounds' ratios.
 struct PrefillFigures {
   double session = 0, stateless = 0, ratio = 0;
 };
