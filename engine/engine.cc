@@ -364,7 +364,7 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       absl::Status appended = projected;
       if (appended.ok()) {
         appended = OutOfMemoryAsStatus("session append",
-                                       [&] { return internal::AppendRows(*sessions[i]); });
+                                       [&] { return internal::AppendRows(*sessions[i], backend.threads()); });
       }
       if (appended.ok() && calls[i].interrupt != nullptr) appended = (*calls[i].interrupt)();
       if (!appended.ok()) {
@@ -405,7 +405,10 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
     }
     // Session calls the decode kernel does not compute: one backend call per
     // batch row, in the same pass.
-    std::vector<std::pair<size_t, size_t>> row_calls;  // call, its first work item
+    struct RowCallRange {
+      size_t call, first, count;  // the call, its first work item, how many
+    };
+    std::vector<RowCallRange> row_calls;
     for (size_t i = 0; i < n; ++i) {
       if (!sessions[i] || sessions[i]->decode) continue;
       absl::StatusOr<std::vector<internal::BackendCall>> rows = OutOfMemoryAsStatus(
@@ -414,18 +417,17 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
         fail_session(i, rows.status());
         continue;
       }
-      row_calls.emplace_back(i, work.size());
+      row_calls.push_back({i, work.size(), rows->size()});
       work.insert(work.end(), rows->begin(), rows->end());
     }
     std::vector<absl::StatusOr<AttentionResult>> computed = backend.RunBatch(work);
     for (size_t w = 0; w < index.size(); ++w) results[index[w]] = std::move(computed[w]);
-    for (const auto& [i, first] : row_calls) {
-      const auto begin = computed.begin() + static_cast<ptrdiff_t>(first);
+    for (const RowCallRange& range : row_calls) {
+      const size_t i = range.call;
+      const auto begin = computed.begin() + static_cast<ptrdiff_t>(range.first);
       std::vector<absl::StatusOr<AttentionResult>> rows(
           std::make_move_iterator(begin),
-          std::make_move_iterator(begin + sessions[i]->shape.batch));
-      // Named, not the binding itself: Clang 14 (the fuzz build's) cannot
-      // capture a structured binding in a lambda.
+          std::make_move_iterator(begin + static_cast<ptrdiff_t>(range.count)));
       internal::SessionPlan& plan = *sessions[i];
       absl::Status gathered = OutOfMemoryAsStatus("session results", [&] {
         return internal::GatherRowResults(plan, std::move(rows));

@@ -66,42 +66,100 @@ const void* KvCache::ValueBlock(int64_t block, int64_t head) const {
 
 absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
                              int64_t k_head_stride, const float* v, int64_t v_row_stride,
-                             int64_t v_head_stride) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = length_ + pending_;
-    const int64_t block = row / kBlockRows;
-    if (block == blocks()) {
-      const size_t size = static_cast<size_t>(block_bytes());
-      void* p = AllocateSessionBlock(size);
-      if (p == nullptr) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "session cache: could not allocate a block of ", block_bytes(), " bytes"));
-      }
-      // Zeros past the last row: kernels read whole blocks.
-      std::memset(p, 0, size);
-      blocks_.emplace_back(p);
+                             int64_t v_head_stride, int threads) {
+  if (rows <= 0) return absl::OkStatus();
+  const int64_t first = length_ + pending_;
+  const int64_t end = first + rows;
+  // Every block the rows need, before any row is written.
+  const size_t had = blocks_.size();
+  const size_t size = static_cast<size_t>(block_bytes());
+  while (blocks() * kBlockRows < end) {
+    void* p = AllocateSessionBlock(size);
+    if (p == nullptr) {
+      blocks_.resize(had);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "session cache: could not allocate a block of ", block_bytes(), " bytes"));
     }
-    const int64_t j = row % kBlockRows;
-    for (int64_t h = 0; h < kv_heads_; ++h) {
+    // Kernels read whole blocks: zeros past the last row, and in a BFLOAT16
+    // key row's pad element. A block these rows fill needs neither.
+    const int64_t block_first = blocks() * kBlockRows;
+    if (block_first + kBlockRows > end || StoredKeyDim() != key_dim_) std::memset(p, 0, size);
+    blocks_.emplace_back(p);
+  }
+  // Head by head, block by block: the keys' transpose of a block's rows
+  // stays in the first-level cache.
+  const int64_t stored_pairs = StoredKeyDim() / 2;
+  const auto write_head = [&](int64_t h) {
+    // A BFLOAT16 key row as rounded (on the stack for the usual dims).
+    uint16_t own[512];
+    std::vector<uint16_t> large;
+    if (dtype_ == DType::kBFloat16 && StoredKeyDim() > 512) {
+      large.resize(static_cast<size_t>(StoredKeyDim()));
+    }
+    uint16_t* const rounded = large.empty() ? own : large.data();
+    for (int64_t r = 0; r < rows;) {
+      const int64_t block = (first + r) / kBlockRows;
+      const int64_t j0 = (first + r) % kBlockRows;
+      const int64_t n = std::min(kBlockRows - j0, rows - r);
       const float* key = k + r * k_row_stride + h * k_head_stride;
       const float* value = v + r * v_row_stride + h * v_head_stride;
+      void* kb = const_cast<void*>(KeyBlock(block, h));
+      void* vb = const_cast<void*>(ValueBlock(block, h));
       if (dtype_ == DType::kFloat32) {
-        float* kb = static_cast<float*>(const_cast<void*>(KeyBlock(block, h))) + j;
-        float* vb = static_cast<float*>(const_cast<void*>(ValueBlock(block, h))) + j * value_dim_;
-        for (int64_t e = 0; e < key_dim_; ++e) kb[e * kBlockRows] = key[e];
-        std::memcpy(vb, value, static_cast<size_t>(value_dim_) * sizeof(float));
-      } else {
-        uint16_t* kb = static_cast<uint16_t*>(const_cast<void*>(KeyBlock(block, h))) + 2 * j;
-        uint16_t* vb = static_cast<uint16_t*>(const_cast<void*>(ValueBlock(block, h))) +
-                       (j / 2) * 2 * value_dim_ + j % 2;
-        for (int64_t e = 0; e < key_dim_; ++e) {
-          kb[(e / 2) * 2 * kBlockRows + e % 2] = FloatToBFloat16(key[e]);
+        // Row by row: a column walk of the rows would step by their stride,
+        // often a multiple of 2 KiB, through a few cache sets only.
+        float* kf = static_cast<float*>(kb) + j0;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* x = key + j * k_row_stride;
+          for (int64_t e = 0; e < key_dim_; ++e) kf[e * kBlockRows + j] = x[e];
         }
-        for (int64_t e = 0; e < value_dim_; ++e) vb[2 * e] = FloatToBFloat16(value[e]);
+        float* vf = static_cast<float*>(vb) + j0 * value_dim_;
+        for (int64_t j = 0; j < n; ++j) {
+          std::memcpy(vf + j * value_dim_, value + j * v_row_stride,
+                      static_cast<size_t>(value_dim_) * sizeof(float));
+        }
+      } else {
+        // Each row rounded in one contiguous pass (it vectorises), then
+        // placed: a key pair is one 32-bit word, the even element low.
+        uint32_t* kw = static_cast<uint32_t*>(kb) + j0;
+        uint16_t* const vh = static_cast<uint16_t*>(vb);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* x = key + j * k_row_stride;
+          for (int64_t e = 0; e < key_dim_; ++e) rounded[e] = FloatToBFloat16(x[e]);
+          if (key_dim_ % 2 != 0) rounded[key_dim_] = 0;  // the pad element
+          for (int64_t i = 0; i < stored_pairs; ++i) {
+            kw[i * kBlockRows + j] = rounded[2 * i] | uint32_t{rounded[2 * i + 1]} << 16;
+          }
+        }
+        // Values: a pair of rows is a row of words, the even row low.
+        const auto value_half = [&](int64_t j) {
+          const int64_t row = j0 + j;
+          uint16_t* out = vh + (row / 2) * 2 * value_dim_ + row % 2;
+          const float* x = value + j * v_row_stride;
+          for (int64_t e = 0; e < value_dim_; ++e) out[2 * e] = FloatToBFloat16(x[e]);
+        };
+        int64_t j = 0;
+        if (j0 % 2 != 0) value_half(j++);
+        for (; j + 1 < n; j += 2) {
+          uint32_t* out = static_cast<uint32_t*>(vb) + (j0 + j) / 2 * value_dim_;
+          const float* x0 = value + j * v_row_stride;
+          const float* x1 = x0 + v_row_stride;
+          for (int64_t e = 0; e < value_dim_; ++e) {
+            out[e] = FloatToBFloat16(x0[e]) | uint32_t{FloatToBFloat16(x1[e])} << 16;
+          }
+        }
+        if (j < n) value_half(j);
       }
+      r += n;
     }
-    ++pending_;
-  }
+  };
+  // A prefill's rows spread over the threads by head; a step's few rows are
+  // not worth waking them.
+  const bool parallel =
+      threads > 1 && kv_heads_ > 1 && rows * kv_heads_ * (key_dim_ + value_dim_) >= (1 << 16);
+#pragma omp parallel for num_threads(parallel ? threads : 1) schedule(static) if (parallel)
+  for (int64_t h = 0; h < kv_heads_; ++h) write_head(h);
+  pending_ += rows;
   return absl::OkStatus();
 }
 

@@ -59,10 +59,12 @@ class KvCache {
 
   // Appends `rows` rows after length() + pending(), pending until Commit.
   // Row r of head h: key at k + r * k_row_stride + h * k_head_stride
-  // (key_dim floats), value likewise. RESOURCE_EXHAUSTED when a block cannot
-  // be allocated (what was appended so far stays pending).
+  // (key_dim floats), value likewise. Many rows are written on up to
+  // `threads` OpenMP threads. RESOURCE_EXHAUSTED when a block cannot be
+  // allocated (then nothing is appended).
   absl::Status Append(int64_t rows, const float* k, int64_t k_row_stride, int64_t k_head_stride,
-                      const float* v, int64_t v_row_stride, int64_t v_head_stride);
+                      const float* v, int64_t v_row_stride, int64_t v_head_stride,
+                      int threads = 1);
   // Makes the pending rows part of the sequence.
   void Commit();
   // Drops the pending rows, and the blocks only they used.

@@ -173,6 +173,10 @@ absl::StatusOr<SessionPlan> PlanSession(const EngineCall& call) {
   p.scale = static_cast<float>(EffectiveScale(p.score, s.query_dim));
   p.decode = (p.score.kind == ScoreKind::kScaledDot || p.score.kind == ScoreKind::kDot) &&
              !a.need_weights && (s.heads / s.kv_heads) * s.query_len <= kMaxDecodeRows;
+  // Every row's keys are this call's own rows (plus a layer's tail).
+  p.direct = !p.decode && !sc.read_only && s.key_len > 0 &&
+             std::all_of(sc.caches.begin(), sc.caches.end(),
+                         [](const KvCache* c) { return c->length() == 0; });
   return p;
 }
 
@@ -190,7 +194,7 @@ CallCost SessionCost(const SessionPlan& plan, int threads) {
   const double B = static_cast<double>(s.batch), H = static_cast<double>(s.heads),
                Hk = static_cast<double>(s.kv_heads), L = static_cast<double>(s.query_len),
                S = static_cast<double>(s.key_len);
-  if (!plan.decode) {  // each row's contiguous copy
+  if (!plan.decode && !plan.direct) {  // each row's contiguous copy
     cost.scratch_bytes +=
         B * (H * L * static_cast<double>(s.query_dim) +
              Hk * S * static_cast<double>(s.key_dim + s.value_dim)) * 4;
@@ -206,12 +210,13 @@ CallCost SessionCost(const SessionPlan& plan, int threads) {
   return cost;
 }
 
-absl::Status AppendRows(SessionPlan& plan) {
+absl::Status AppendRows(SessionPlan& plan, int threads) {
   const AttentionArgs& a = *plan.args;
   const AttentionShape& s = plan.shape;
   const bool batch_first = s.rank4 || a.layout == Layout::kBatchFirst;
   const int64_t n = s.key_len;
-  std::vector<float> k_copy, v_copy;
+  std::vector<float>& k_copy = plan.k_copy;
+  std::vector<float>& v_copy = plan.v_copy;
   if (plan.layer_plan) {
     const LayerPlan& lp = *plan.layer_plan;
     const int64_t e = plan.layer->config().embed_dim;
@@ -223,7 +228,7 @@ absl::Status AppendRows(SessionPlan& plan) {
       for (int64_t b = 0; b < s.batch; ++b) {
         ATTN_RETURN_IF_ERROR(plan.session->caches[b]->Append(
             n, lp.pk.data() + ix.Offset(b, 0, 0), ix.pos_stride, ix.head_stride,
-            lp.pv.data() + ix.Offset(b, 0, 0), ix.pos_stride, ix.head_stride));
+            lp.pv.data() + ix.Offset(b, 0, 0), ix.pos_stride, ix.head_stride, threads));
       }
     }
     plan.q = lp.pq.data();
@@ -248,7 +253,7 @@ absl::Status AppendRows(SessionPlan& plan) {
       for (int64_t b = 0; b < s.batch; ++b) {
         ATTN_RETURN_IF_ERROR(plan.session->caches[b]->Append(
             n, kf + kix.Offset(b, 0, 0), kix.pos_stride, kix.head_stride,
-            vf + vix.Offset(b, 0, 0), vix.pos_stride, vix.head_stride));
+            vf + vix.Offset(b, 0, 0), vix.pos_stride, vix.head_stride, threads));
       }
     }
     if (a.query.dtype == DType::kFloat32) {
@@ -260,6 +265,7 @@ absl::Status AppendRows(SessionPlan& plan) {
     plan.q_ix = MakeHeadIndexer(a.query, a.layout, s.rank4, s.heads, s.query_dim);
     plan.out_shape = OutputShape(a, s);
   }
+  if (plan.direct) return absl::OkStatus();  // the backend allocates the output
   int64_t out_elements = 1;
   for (int64_t d : plan.out_shape) out_elements *= d;
   plan.out.resize(static_cast<size_t>(out_elements));
@@ -325,6 +331,30 @@ absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan,
                                                   const std::function<absl::Status()>* interrupt) {
   const AttentionArgs& a = *plan.args;
   const AttentionShape& s = plan.shape;
+  if (plan.direct) {
+    if (plan.layer_plan) {
+      BuildInner(*plan.layer_plan);
+      plan.direct_args = plan.layer_plan->inner;
+    } else {
+      // The call as it came, its tensors as float32 (as appended).
+      plan.direct_args = a;
+      plan.direct_args.query = FloatView(plan.q, a.query.shape);
+      if (a.key.present()) {
+        plan.direct_args.key =
+            FloatView(plan.k_copy.empty() ? static_cast<const float*>(a.key.data)
+                                          : plan.k_copy.data(),
+                      a.key.shape);
+      }
+      if (a.value.present()) {
+        plan.direct_args.value =
+            FloatView(plan.v_copy.empty() ? static_cast<const float*>(a.value.data)
+                                          : plan.v_copy.data(),
+                      a.value.shape);
+      }
+    }
+    ATTN_ASSIGN_OR_RETURN(const AttentionShape shape, ResolveShape(plan.direct_args));
+    return std::vector<BackendCall>{{&plan.direct_args, shape, interrupt}};
+  }
   const size_t B = static_cast<size_t>(s.batch);
   plan.row_q.resize(B);
   plan.row_k.resize(B);
@@ -384,6 +414,12 @@ absl::Status GatherRowResults(SessionPlan& plan,
                               std::vector<absl::StatusOr<AttentionResult>> results) {
   const AttentionArgs& a = *plan.args;
   const AttentionShape& s = plan.shape;
+  if (plan.direct) {
+    if (!results[0].ok()) return results[0].status();
+    plan.out = std::move(results[0]->output.data);
+    plan.weights = std::move(results[0]->weights);
+    return absl::OkStatus();
+  }
   const int64_t width = plan.max_keys + plan.tail;
   if (a.need_weights) {
     plan.weights.shape = a.average_weights

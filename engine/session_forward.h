@@ -5,9 +5,10 @@
 // split into the phases Engine::AttendBatch runs: plan (checks, shapes,
 // cost), a layer's input projections (layer_forward.h), appending the new
 // rows to the caches, then the attention: the decode kernel (decode.h) for a
-// few query rows of a dot-product score without weights, otherwise one
-// backend call per batch row over a contiguous copy of its cached rows; and
-// a layer's output projection. Engine-private.
+// few query rows of a dot-product score without weights; for caches that
+// were empty, the call itself on its own rows; otherwise one backend call
+// per batch row over a contiguous copy of its cached rows; and a layer's
+// output projection. Engine-private.
 
 #include <cstdint>
 #include <optional>
@@ -46,6 +47,13 @@ struct SessionPlan {
   const float* q = nullptr;
   std::vector<float> q_copy;
   HeadIndexer q_ix, out_ix;
+  // A call that appends to empty caches only (new sessions' prefill): the
+  // attention is one backend call on the call's own rows, the same call
+  // without sessions, instead of a copy of each row's cache (set by
+  // PlanSession; its arguments by RowCalls).
+  bool direct = false;
+  AttentionArgs direct_args;
+  std::vector<float> k_copy, v_copy;  // the call's key / value as float32
   // Per batch row of the general path: its query, keys and values as
   // contiguous rank-4 copies, and the call on them.
   std::vector<std::vector<float>> row_q, row_k, row_v;
@@ -68,14 +76,16 @@ CallCost SessionCost(const SessionPlan& plan, int threads);
 AttentionShape FullShape(const SessionPlan& plan);
 
 // After a layer's projections: appends the call's new rows to the caches
-// (pending) and allocates the output.
-absl::Status AppendRows(SessionPlan& plan);
+// (pending, on up to `threads` threads) and allocates the output.
+absl::Status AppendRows(SessionPlan& plan, int threads);
 // The decode kernel's items for a plan with `decode` set.
 std::vector<DecodeItem> DecodeItems(SessionPlan& plan);
-// The backend calls of a plan without `decode`, one per batch row.
+// The backend calls of a plan without `decode`: one per batch row, or the
+// one direct call.
 absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan,
                                                   const std::function<absl::Status()>* interrupt);
-// Copies the row calls' results into plan.out and plan.weights.
+// Copies the row calls' results (as many as RowCalls made) into plan.out and
+// plan.weights.
 absl::Status GatherRowResults(SessionPlan& plan,
                               std::vector<absl::StatusOr<AttentionResult>> results);
 // The attention's result (before a layer's output projection).

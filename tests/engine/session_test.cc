@@ -225,6 +225,42 @@ TEST(KvCacheTest, EveryElementReadsBackAndRollbackRestoresZeros) {
   }
 }
 
+// Rows appended in pieces of every alignment (odd starts, across blocks),
+// the large ones on two threads: the blocks are byte for byte those of one
+// append on one thread.
+TEST(KvCacheTest, AppendsInPiecesOnThreadsAsInOne) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const int64_t heads = 4, kd = 33, vd = 31, rows = 637;
+    const Input k = Random({rows, heads, kd}, 142), v = Random({rows, heads, vd}, 143);
+    auto pieces = NewCache(heads, kd, vd, dtype), whole = NewCache(heads, kd, vd, dtype);
+    int64_t done = 0;
+    for (int64_t n : {3, 300, 1, 333}) {
+      ASSERT_THAT(pieces->Append(n, k.values.data() + done * heads * kd, heads * kd, kd,
+                                 v.values.data() + done * heads * vd, heads * vd, vd,
+                                 /*threads=*/2),
+                  IsOk());
+      done += n;
+    }
+    ASSERT_EQ(done, rows);
+    ASSERT_THAT(whole->Append(rows, k.values.data(), heads * kd, kd, v.values.data(), heads * vd, vd),
+                IsOk());
+    EXPECT_EQ(pieces->pending(), rows);
+    ASSERT_EQ(pieces->blocks(), whole->blocks());
+    for (int64_t b = 0; b < pieces->blocks(); ++b) {
+      ASSERT_EQ(std::memcmp(pieces->KeyBlock(b, 0), whole->KeyBlock(b, 0),
+                            static_cast<size_t>(pieces->block_bytes())),
+                0)
+          << "block " << b;
+    }
+    float key[kd], value[vd];
+    pieces->ReadKey(rows - 1, heads - 1, key);
+    pieces->ReadValue(304, 2, value);
+    EXPECT_EQ(key[kd - 1], Stored(k.values[rows * heads * kd - 1], dtype));
+    EXPECT_EQ(value[vd - 1], Stored(v.values[(304 * heads + 2) * vd + vd - 1], dtype));
+  }
+}
+
 TEST(KvCacheTest, RejectsBadDimsAndDtypes) {
   EXPECT_THAT(KvCache::Create(0, 4, 4, DType::kFloat32).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("kv_heads 0")));
@@ -277,6 +313,114 @@ TEST_P(SessionTest, PrefillThenStepsMatchTheStatelessCall) {
                  absl::StrCat("after ", cache->length(), " rows"));
     }
     EXPECT_EQ(cache->length(), 77);
+  }
+}
+
+// A call into new sessions attends the call's own rows: it is the stateless
+// call, bit for bit (float32 tensors), and leaves the rows cached.
+TEST_P(SessionTest, PrefillIntoNewSessionsIsTheStatelessCall) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    auto a = NewCache(4, 8, 8, dtype), b = NewCache(4, 8, 8, dtype);
+    const Input x = Random({2, 70, 32}, 30);
+    AttentionArgs args;
+    args.query = x.view();  // self-attention: key = value = query
+    args.num_heads = 4;
+    args.mask.causal = Causal::kBottomRight;
+    args.need_weights = dtype == DType::kBFloat16;
+    absl::StatusOr<AttentionResult> got = Step(args, {a.get(), b.get()});
+    ASSERT_THAT(got.status(), IsOk());
+    absl::StatusOr<AttentionResult> want = engine_->Attend(args);
+    ASSERT_THAT(want.status(), IsOk());
+    EXPECT_EQ(got->output.shape, want->output.shape);
+    EXPECT_EQ(Values(got->output.data), Values(want->output.data));
+    EXPECT_EQ(got->weights.shape, want->weights.shape);
+    EXPECT_EQ(Values(got->weights.data), Values(want->weights.data));
+    for (int64_t row : {0, 63, 64, 69}) {
+      float key[8], value[8];
+      b->ReadKey(row, 3, key);
+      b->ReadValue(row, 3, value);
+      for (int64_t e = 0; e < 8; ++e) {
+        const float stored = Stored(x.values[(70 + row) * 32 + 24 + e], dtype);
+        ASSERT_EQ(key[e], stored) << row;
+        ASSERT_EQ(value[e], stored) << row;
+      }
+    }
+  }
+  // Rank 4, grouped-query heads, BFLOAT16 tensors on the wire.
+  const Input q = Random({2, 4, 70, 8}, 31), k = Random({2, 2, 70, 8}, 32),
+              v = Random({2, 2, 70, 6}, 33);
+  auto bf16 = [](const Input& in, std::vector<uint16_t>& bits) {
+    bits.clear();
+    for (float f : in.values) bits.push_back(FloatToBFloat16(f));
+    return TensorView{DType::kBFloat16, in.shape, bits.data(), bits.size() * 2};
+  };
+  std::vector<uint16_t> qb, kb, vb;
+  AttentionArgs args;
+  args.query = bf16(q, qb);
+  args.key = bf16(k, kb);
+  args.value = bf16(v, vb);
+  args.need_weights = true;
+  auto a = NewCache(2, 8, 6), b = NewCache(2, 8, 6);
+  absl::StatusOr<AttentionResult> got = Step(args, {a.get(), b.get()});
+  ASSERT_THAT(got.status(), IsOk());
+  // A session computes in float32 over the rows as float32 (as cached).
+  Input qf = q, kf = k, vf = v;
+  for (Input* in : {&qf, &kf, &vf}) {
+    for (float& f : in->values) f = Stored(f, DType::kBFloat16);
+  }
+  AttentionArgs as_float = args;
+  as_float.query = qf.view();
+  as_float.key = kf.view();
+  as_float.value = vf.view();
+  absl::StatusOr<AttentionResult> want = engine_->Attend(as_float);
+  ASSERT_THAT(want.status(), IsOk());
+  ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "grouped-query output");
+  ExpectNear(Values(got->weights.data), Values(want->weights.data), 2e-5f, "grouped-query weights");
+  // Then one row more: the general path over the cached rows.
+  const Input q1 = Random({2, 4, 1, 8}, 34), k1 = Random({2, 2, 1, 8}, 35),
+              v1 = Random({2, 2, 1, 6}, 36);
+  AttentionArgs step;
+  step.query = q1.view();
+  step.key = k1.view();
+  step.value = v1.view();
+  step.need_weights = true;
+  got = Step(step, {a.get(), b.get()});
+  ASSERT_THAT(got.status(), IsOk());
+  const Input k_all = Concat(kf, k1, 2), v_all = Concat(vf, v1, 2);
+  step.key = k_all.view();
+  step.value = v_all.view();
+  want = engine_->Attend(step);
+  ASSERT_THAT(want.status(), IsOk());
+  ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "step output");
+  ExpectNear(Values(got->weights.data), Values(want->weights.data), 2e-5f, "step weights");
+}
+
+// One new session and one with rows already: not the prefill's one call.
+TEST_P(SessionTest, PrefillBesideAnOlderSessionAttendsEachOwnRows) {
+  auto fresh = NewCache(2, 8, 8), older = NewCache(2, 8, 8);
+  const Input x0 = Random({1, 5, 16}, 37);
+  AttentionArgs args;
+  args.query = x0.view();
+  args.num_heads = 2;
+  ASSERT_THAT(Step(args, {older.get()}).status(), IsOk());
+  const Input x = Random({2, 70, 16}, 38);
+  args.query = x.view();
+  args.mask.causal = Causal::kBottomRight;
+  absl::StatusOr<AttentionResult> got = Step(args, {fresh.get(), older.get()});
+  ASSERT_THAT(got.status(), IsOk());
+  const Input rows[2] = {Row(x, 0), Concat(x0, Row(x, 1), 1)};
+  const int64_t half = 70 * 16;
+  for (int b = 0; b < 2; ++b) {
+    AttentionArgs alone = args;
+    const Input q = Row(x, b);
+    alone.query = q.view();
+    alone.key = rows[b].view();
+    absl::StatusOr<AttentionResult> want = engine_->Attend(alone);
+    ASSERT_THAT(want.status(), IsOk());
+    const std::vector<float> out = Values(got->output.data);
+    ExpectNear(std::vector<float>(out.begin() + b * half, out.begin() + (b + 1) * half),
+               Values(want->output.data), 2e-5f, absl::StrCat("row ", b));
   }
 }
 
@@ -947,6 +1091,47 @@ TEST_P(SessionTest, LayersCacheTheirProjections) {
       ExpectNear(Values(read->weights.data), Values(want->weights.data), 2e-5f, "weights");
     }
   }
+}
+
+// A layer's prefill into new sessions is its stateless forward (bias_k /
+// bias_v and the zero-attention key after the rows), and caches the
+// projections the next step attends.
+TEST_P(SessionTest, LayerPrefillIntoNewSessionsIsTheStatelessForward) {
+  const testing::GoldenCase c = testing::LoadGoldenCase("mha_bias_kv_zero_attn");
+  auto layer = std::move(MultiheadAttention::Create(testing::MultiheadConfigOf(c),
+                                                    testing::StateDictOf(c)))
+                   .value();
+  const MultiheadConfig& config = layer->config();
+  const int64_t e = config.embed_dim, heads = config.num_heads;
+  auto a = NewCache(heads, e / heads, e / heads), b = NewCache(heads, e / heads, e / heads);
+  Input keys, values;
+  uint32_t seed = 39;
+  for (int64_t rows : {70, 1}) {
+    const Input q = Random({rows, 2, e}, seed++), k = Random({rows, 2, config.key_dim()}, seed++),
+                v = Random({rows, 2, config.value_dim()}, seed++);
+    keys = Concat(keys, k, 0);
+    values = Concat(values, v, 0);
+    AttentionArgs args;
+    args.query = q.view();
+    args.key = k.view();
+    args.value = v.view();
+    args.layout = Layout::kSequenceFirst;
+    args.mask.causal = Causal::kBottomRight;
+    args.need_weights = true;
+    absl::StatusOr<AttentionResult> got = Step(args, {a.get(), b.get()}, layer.get());
+    ASSERT_THAT(got.status(), IsOk());
+    args.key = keys.view();
+    args.value = values.view();
+    absl::StatusOr<AttentionResult> want = layer->Forward(*engine_, args);
+    ASSERT_THAT(want.status(), IsOk());
+    EXPECT_EQ(got->output.shape, want->output.shape);
+    EXPECT_EQ(got->weights.shape, want->weights.shape);
+    ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f,
+               absl::StrCat(rows, " rows"));
+    ExpectNear(Values(got->weights.data), Values(want->weights.data), 2e-5f,
+               absl::StrCat(rows, " rows, weights"));
+  }
+  EXPECT_EQ(b->length(), 71);
 }
 
 // Session calls batched with each other and with a stateless call: each gets
