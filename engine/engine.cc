@@ -412,7 +412,8 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
     for (size_t i = 0; i < n; ++i) {
       if (!sessions[i] || sessions[i]->decode) continue;
       absl::StatusOr<std::vector<internal::BackendCall>> rows = OutOfMemoryAsStatus(
-          "session rows", [&] { return internal::RowCalls(*sessions[i], calls[i].interrupt); });
+          "session rows",
+          [&] { return internal::RowCalls(*sessions[i], backend.threads(), calls[i].interrupt); });
       if (!rows.ok()) {
         fail_session(i, rows.status());
         continue;

@@ -17,34 +17,34 @@ namespace {
 
 constexpr int64_t kMaxDim = int64_t{1} << 20;
 
-// Rows [0, n) of `key_dim` floats each, `stride` apart, into a FLOAT32
-// block's keys from its row j (out = the head's keys + j): element e of row
-// i at out[e * kBlockRows + i]. Four rows by four elements at a time, a
-// register transpose, where SSE is there; the rows are read in order (a
-// column walk down rows a power of two apart would use a few cache sets).
-void TransposeKeys(const float* x, int64_t stride, int64_t n, int64_t key_dim, float* out) {
-  constexpr int64_t kRows = KvCache::kBlockRows;
-  int64_t i = 0;
+// out[c * out_stride + r] = x[r * x_stride + c] for r < rows, c < cols:
+// FLOAT32 keys into a block (rows: the rows, out_stride: kBlockRows) and
+// back out (rows: the elements). Four by four in registers where SSE is
+// there; `x` is read in order (a walk down rows a power of two apart would
+// use a few cache sets only).
+void Transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out,
+               int64_t out_stride) {
+  int64_t r = 0;
 #ifdef __SSE__
-  for (; i + 4 <= n; i += 4) {
-    const float* r = x + i * stride;
-    int64_t e = 0;
-    for (; e + 4 <= key_dim; e += 4) {
-      __m128 a = _mm_loadu_ps(r + e), b = _mm_loadu_ps(r + stride + e),
-             c = _mm_loadu_ps(r + 2 * stride + e), d = _mm_loadu_ps(r + 3 * stride + e);
-      _MM_TRANSPOSE4_PS(a, b, c, d);
-      _mm_storeu_ps(out + e * kRows + i, a);
-      _mm_storeu_ps(out + (e + 1) * kRows + i, b);
-      _mm_storeu_ps(out + (e + 2) * kRows + i, c);
-      _mm_storeu_ps(out + (e + 3) * kRows + i, d);
+  for (; r + 4 <= rows; r += 4) {
+    const float* in = x + r * x_stride;
+    int64_t c = 0;
+    for (; c + 4 <= cols; c += 4) {
+      __m128 a = _mm_loadu_ps(in + c), b = _mm_loadu_ps(in + x_stride + c),
+             d = _mm_loadu_ps(in + 2 * x_stride + c), e = _mm_loadu_ps(in + 3 * x_stride + c);
+      _MM_TRANSPOSE4_PS(a, b, d, e);
+      _mm_storeu_ps(out + c * out_stride + r, a);
+      _mm_storeu_ps(out + (c + 1) * out_stride + r, b);
+      _mm_storeu_ps(out + (c + 2) * out_stride + r, d);
+      _mm_storeu_ps(out + (c + 3) * out_stride + r, e);
     }
-    for (; e < key_dim; ++e) {
-      for (int64_t t = 0; t < 4; ++t) out[e * kRows + i + t] = r[t * stride + e];
+    for (; c < cols; ++c) {
+      for (int64_t t = 0; t < 4; ++t) out[c * out_stride + r + t] = in[t * x_stride + c];
     }
   }
 #endif
-  for (; i < n; ++i) {
-    for (int64_t e = 0; e < key_dim; ++e) out[e * kRows + i] = x[i * stride + e];
+  for (; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) out[c * out_stride + r] = x[r * x_stride + c];
   }
 }
 
@@ -146,7 +146,7 @@ absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
     void* kb = const_cast<void*>(KeyBlock(block, h));
     void* vb = const_cast<void*>(ValueBlock(block, h));
     if (dtype_ == DType::kFloat32) {
-      TransposeKeys(key, k_row_stride, n, key_dim_, static_cast<float*>(kb) + j0);
+      Transpose(key, k_row_stride, n, key_dim_, static_cast<float*>(kb) + j0, kBlockRows);
       float* vf = static_cast<float*>(vb) + j0 * value_dim_;
       for (int64_t j = 0; j < n; ++j) {
         std::memcpy(vf + j * value_dim_, value + j * v_row_stride,
@@ -229,6 +229,38 @@ void KvCache::ZeroRows(int64_t from, int64_t to) {
     zero(float{});
   } else {
     zero(uint16_t{});
+  }
+}
+
+void KvCache::ReadRows(int64_t head, int64_t first, int64_t n, float* keys,
+                       float* values) const {
+  for (int64_t i = 0; i < n;) {
+    const int64_t block = (first + i) / kBlockRows;
+    const int64_t j0 = (first + i) % kBlockRows;
+    const int64_t m = std::min(kBlockRows - j0, n - i);
+    float* ko = keys + i * key_dim_;
+    float* vo = values + i * value_dim_;
+    if (dtype_ == DType::kFloat32) {
+      const float* kb = static_cast<const float*>(KeyBlock(block, head)) + j0;
+      Transpose(kb, kBlockRows, key_dim_, m, ko, key_dim_);
+      std::memcpy(vo, static_cast<const float*>(ValueBlock(block, head)) + j0 * value_dim_,
+                  static_cast<size_t>(m * value_dim_) * sizeof(float));
+    } else {
+      const uint32_t* kw = static_cast<const uint32_t*>(KeyBlock(block, head)) + j0;
+      for (int64_t j = 0; j < m; ++j) {
+        for (int64_t e = 0; e < key_dim_; ++e) {
+          ko[j * key_dim_ + e] = BFloat16ToFloat(
+              static_cast<uint16_t>(kw[(e / 2) * kBlockRows + j] >> (16 * (e % 2))));
+        }
+      }
+      const uint16_t* vb = static_cast<const uint16_t*>(ValueBlock(block, head));
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t row = j0 + j;
+        const uint16_t* in = vb + (row / 2) * 2 * value_dim_ + row % 2;
+        for (int64_t e = 0; e < value_dim_; ++e) vo[j * value_dim_ + e] = BFloat16ToFloat(in[2 * e]);
+      }
+    }
+    i += m;
   }
 }
 

@@ -79,6 +79,9 @@ class KvCache {
   // Row `row` (< length() + pending()) of head `head` as float32.
   void ReadKey(int64_t row, int64_t head, float* out) const;
   void ReadValue(int64_t row, int64_t head, float* out) const;
+  // Rows [first, first + n) (within length() + pending()) of head `head` as
+  // float32, row by row: keys [n, key_dim], values [n, value_dim].
+  void ReadRows(int64_t head, int64_t first, int64_t n, float* keys, float* values) const;
 
  private:
   KvCache(int64_t kv_heads, int64_t key_dim, int64_t value_dim, DType dtype);

@@ -327,7 +327,7 @@ std::vector<DecodeItem> DecodeItems(SessionPlan& plan) {
   return items;
 }
 
-absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan,
+absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan, int threads,
                                                   const std::function<absl::Status()>* interrupt) {
   const AttentionArgs& a = *plan.args;
   const AttentionShape& s = plan.shape;
@@ -362,41 +362,19 @@ absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan,
   plan.row_args.clear();
   plan.row_args.reserve(B);
   std::vector<BackendCall> calls;
+  int64_t copied = 0;  // floats the copies below write
   for (int64_t b = 0; b < s.batch; ++b) {
-    const KvCache& cache = *plan.session->caches[b];
-    const int64_t cached = plan.keys[b];
-    const int64_t keys = cached + plan.tail;
-    std::vector<float>& q = plan.row_q[b];
-    std::vector<float>& k = plan.row_k[b];
-    std::vector<float>& v = plan.row_v[b];
-    q.resize(static_cast<size_t>(s.heads * s.query_len * s.query_dim));
-    for (int64_t h = 0; h < s.heads; ++h) {
-      for (int64_t i = 0; i < s.query_len; ++i) {
-        std::memcpy(q.data() + (h * s.query_len + i) * s.query_dim,
-                    plan.q + plan.q_ix.Offset(b, h, i), s.query_dim * sizeof(float));
-      }
-    }
-    k.resize(static_cast<size_t>(s.kv_heads * keys * s.key_dim));
-    v.resize(static_cast<size_t>(s.kv_heads * keys * s.value_dim));
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      float* kh = k.data() + h * keys * s.key_dim;
-      float* vh = v.data() + h * keys * s.value_dim;
-      for (int64_t j = 0; j < cached; ++j) {
-        cache.ReadKey(j, h, kh + j * s.key_dim);
-        cache.ReadValue(j, h, vh + j * s.value_dim);
-      }
-      const float* tk[2];
-      const float* tv[2];
-      const int t = TailRows(plan, h, tk, tv);
-      for (int r = 0; r < t; ++r) {
-        std::memcpy(kh + (cached + r) * s.key_dim, tk[r], s.key_dim * sizeof(float));
-        std::memcpy(vh + (cached + r) * s.value_dim, tv[r], s.value_dim * sizeof(float));
-      }
-    }
+    const int64_t keys = plan.keys[b] + plan.tail;
+    // Every element is written below.
+    plan.row_q[b].resize(static_cast<size_t>(s.heads * s.query_len * s.query_dim));
+    plan.row_k[b].resize(static_cast<size_t>(s.kv_heads * keys * s.key_dim));
+    plan.row_v[b].resize(static_cast<size_t>(s.kv_heads * keys * s.value_dim));
+    copied += static_cast<int64_t>(plan.row_q[b].size() + plan.row_k[b].size() +
+                                   plan.row_v[b].size());
     AttentionArgs r;
-    r.query = FloatView(q.data(), {1, s.heads, s.query_len, s.query_dim});
-    r.key = FloatView(k.data(), {1, s.kv_heads, keys, s.key_dim});
-    r.value = FloatView(v.data(), {1, s.kv_heads, keys, s.value_dim});
+    r.query = FloatView(plan.row_q[b].data(), {1, s.heads, s.query_len, s.query_dim});
+    r.key = FloatView(plan.row_k[b].data(), {1, s.kv_heads, keys, s.key_dim});
+    r.value = FloatView(plan.row_v[b].data(), {1, s.kv_heads, keys, s.value_dim});
     r.score = plan.score;
     r.mask.causal = a.mask.causal;
     r.mask.unmasked_tail = plan.tail;
@@ -407,6 +385,35 @@ absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan,
     ATTN_ASSIGN_OR_RETURN(const AttentionShape shape, ResolveShape(plan.row_args.back()));
     calls.push_back({&plan.row_args.back(), shape, interrupt});
   }
+  // One item per batch row and key/value head: its cached rows (and a
+  // layer's tail) and its group's query rows, head-major.
+  const int64_t group = s.heads / s.kv_heads;
+  const auto copy = [&](int64_t item) {
+    const int64_t b = item / s.kv_heads, h = item % s.kv_heads;
+    const int64_t cached = plan.keys[b];
+    const int64_t keys = cached + plan.tail;
+    float* kh = plan.row_k[b].data() + h * keys * s.key_dim;
+    float* vh = plan.row_v[b].data() + h * keys * s.value_dim;
+    plan.session->caches[b]->ReadRows(h, 0, cached, kh, vh);
+    const float* tk[2];
+    const float* tv[2];
+    const int t = TailRows(plan, h, tk, tv);
+    for (int r = 0; r < t; ++r) {
+      std::memcpy(kh + (cached + r) * s.key_dim, tk[r], s.key_dim * sizeof(float));
+      std::memcpy(vh + (cached + r) * s.value_dim, tv[r], s.value_dim * sizeof(float));
+    }
+    for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
+      for (int64_t i = 0; i < s.query_len; ++i) {
+        std::memcpy(plan.row_q[b].data() + (qh * s.query_len + i) * s.query_dim,
+                    plan.q + plan.q_ix.Offset(b, qh, i), s.query_dim * sizeof(float));
+      }
+    }
+  };
+  const int64_t items = s.batch * s.kv_heads;
+  // Small copies are not worth waking the threads.
+  const bool parallel = threads > 1 && items > 1 && copied >= (1 << 16);
+#pragma omp parallel for num_threads(parallel ? threads : 1) schedule(dynamic, 1) if (parallel)
+  for (int64_t item = 0; item < items; ++item) copy(item);
   return calls;
 }
 

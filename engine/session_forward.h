@@ -56,7 +56,7 @@ struct SessionPlan {
   std::vector<float> k_copy, v_copy;  // the call's key / value as float32
   // Per batch row of the general path: its query, keys and values as
   // contiguous rank-4 copies, and the call on them.
-  std::vector<std::vector<float>> row_q, row_k, row_v;
+  std::vector<FloatBuffer> row_q, row_k, row_v;
   std::vector<AttentionArgs> row_args;
   std::vector<float> zero_row;  // the zero-attention key, key_dim zeros
   // The attention's output: the call's output shape (a layer's inner
@@ -82,7 +82,8 @@ absl::Status AppendRows(SessionPlan& plan, int threads);
 std::vector<DecodeItem> DecodeItems(SessionPlan& plan);
 // The backend calls of a plan without `decode`: one per batch row, or the
 // one direct call.
-absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan,
+// The copies are made on up to `threads` threads.
+absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan, int threads,
                                                   const std::function<absl::Status()>* interrupt);
 // Copies the row calls' results (as many as RowCalls made) into plan.out and
 // plan.weights.

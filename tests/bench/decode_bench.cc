@@ -4,7 +4,8 @@
 //     bytes read per second against a memory-read probe (every engine thread
 //     streaming a buffer far larger than the CPU's caches), per shape;
 //   - BFLOAT16 cache: steps per second against the FLOAT32 cache's;
-//   - prefill of P rows into a new session against the same stateless call.
+//   - prefill of P rows into a new session against the same stateless call,
+//     and of P rows more into a session holding P (no target).
 // Beside each decode figure: the share of the CPU's multiply-add peak (a
 // same-run probe of independent FMAs on every engine thread) the step used.
 // A one-row step does group x (key_dim + value_dim) multiply-adds per cached
@@ -364,42 +365,54 @@ class Decoder {
   double bytes_per_step_ = 0;
 };
 
-// Prefill of `keys` rows (causal) into a new session, and the same call
-// stateless, interleaved (TimeInterleaved, at least a second each per
-// round) over `rounds` rounds: the median seconds of each, and the median
-// of the rounds' ratios.
+// Prefill of `keys` rows (causal) into a session holding `held` rows (0: a
+// new one), and the same call stateless (its key every row), interleaved
+// (TimeInterleaved, at least a second each per round) over `rounds` rounds:
+// the median seconds of each, and the median of the rounds' ratios.
 struct PrefillFigures {
   double session = 0, stateless = 0, ratio = 0;
 };
 
-PrefillFigures Prefill(const Engine& engine, int64_t heads, int64_t keys, int64_t dim, int rounds) {
-  const std::vector<float> x = RandomFloats(static_cast<size_t>(keys * heads * dim), 4);
-  AttentionArgs args;
-  args.query = TensorView{DType::kFloat32, {1, keys, heads * dim}, x.data(), x.size() * 4};
+PrefillFigures Prefill(const Engine& engine, int64_t heads, int64_t keys, int64_t held,
+                       int64_t dim, int rounds) {
+  const int64_t e = heads * dim;
+  const std::vector<float> x = RandomFloats(static_cast<size_t>((held + keys) * e), 4);
+  AttentionArgs args;  // the new rows; key = value = query
+  args.query = TensorView{DType::kFloat32, {1, keys, e}, x.data() + held * e,
+                          static_cast<size_t>(keys * e) * 4};
   args.num_heads = heads;
   args.mask.causal = Causal::kBottomRight;
+  AttentionArgs stateless = args;
+  stateless.key = TensorView{DType::kFloat32, {1, held + keys, e}, x.data(), x.size() * 4};
+  std::unique_ptr<KvCache> older = std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
+  if (!older->Append(held, x.data(), e, dim, x.data(), e, dim).ok()) std::exit(2);
+  older->Commit();
   const std::vector<Timed> calls = {
       {[&] {
-        if (!engine.Attend(args).ok()) std::exit(2);
+        if (!engine.Attend(stateless).ok()) std::exit(2);
       }},
       {[&] {
-        std::unique_ptr<KvCache> cache =
-            std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
-        SessionCall s{{cache.get()}, false};
+        std::unique_ptr<KvCache> created;
+        KvCache* cache = older.get();
+        if (held == 0) {
+          created = std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
+          cache = created.get();
+        }
+        SessionCall s{{cache}, false};
         EngineCall call{&args, nullptr};
         call.session = &s;
         if (!engine.AttendBatch({&call, 1}).front().ok()) std::exit(2);
-        cache->Commit();
+        cache->Rollback();  // the held session keeps its length
       }},
   };
-  std::vector<double> session, stateless, ratio;
+  std::vector<double> session, plain, ratio;
   for (int r = 0; r < rounds; ++r) {
     const std::vector<double> t = TimeInterleaved(calls, 1.0);
-    stateless.push_back(t[0]);
+    plain.push_back(t[0]);
     session.push_back(t[1]);
     ratio.push_back(t[1] / t[0]);
   }
-  return {Median(session), Median(stateless), Median(ratio)};
+  return {Median(session), Median(plain), Median(ratio)};
 }
 
 int Main(int argc, char** argv) {
@@ -562,10 +575,16 @@ int Main(int argc, char** argv) {
   }
   if (only != nullptr && std::strcmp(only, "prefill") != 0) return enforce && !ok ? 1 : 0;
   const int64_t prefill = quick ? 1024 : 4096;
-  const PrefillFigures p = Prefill(*engine, 8, prefill, 64, kRounds);
+  const PrefillFigures p = Prefill(*engine, 8, prefill, 0, 64, kRounds);
   std::printf("\nprefill H8 P=%lld D64 causal: session %.1f ms, stateless %.1f ms: %.2fx %s\n",
               static_cast<long long>(prefill), p.session * 1e3, p.stateless * 1e3, p.ratio,
               verdict(p.ratio <= kPrefillRatio));
+  // The same rows appended to a session that holds as many (a prompt sent in
+  // two parts, or a conversation's next turn): no target.
+  const PrefillFigures c = Prefill(*engine, 8, prefill, prefill, 64, kRounds);
+  std::printf(
+      "then P=%lld more rows into it: session %.1f ms, stateless %.1f ms: %.2fx (no target)\n",
+      static_cast<long long>(prefill), c.session * 1e3, c.stateless * 1e3, c.ratio);
   return enforce && !ok ? 1 : 0;
 }
 

@@ -227,7 +227,7 @@ TEST(KvCacheTest, EveryElementReadsBackAndRollbackRestoresZeros) {
 
 // Rows appended in pieces of every alignment (odd starts, across blocks),
 // the large ones on two threads: the blocks are byte for byte those of one
-// append on one thread.
+// append on one thread, and read back as appended.
 TEST(KvCacheTest, AppendsInPiecesOnThreadsAsInOne) {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     SCOPED_TRACE(DTypeName(dtype));
@@ -253,11 +253,21 @@ TEST(KvCacheTest, AppendsInPiecesOnThreadsAsInOne) {
                 0)
           << "block " << b;
     }
-    float key[kd], value[vd];
-    pieces->ReadKey(rows - 1, heads - 1, key);
-    pieces->ReadValue(304, 2, value);
-    EXPECT_EQ(key[kd - 1], Stored(k.values[rows * heads * kd - 1], dtype));
-    EXPECT_EQ(value[vd - 1], Stored(v.values[(304 * heads + 2) * vd + vd - 1], dtype));
+    // Read back many rows at a time, from an odd row across blocks: each
+    // element as stored.
+    const int64_t from = 61, n = 200;
+    std::vector<float> keys(n * kd), values(n * vd);
+    pieces->ReadRows(2, from, n, keys.data(), values.data());
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t e = 0; e < kd; ++e) {
+        ASSERT_EQ(keys[r * kd + e], Stored(k.values[((from + r) * heads + 2) * kd + e], dtype))
+            << r << " " << e;
+      }
+      for (int64_t e = 0; e < vd; ++e) {
+        ASSERT_EQ(values[r * vd + e], Stored(v.values[((from + r) * heads + 2) * vd + e], dtype))
+            << r << " " << e;
+      }
+    }
   }
 }
 
