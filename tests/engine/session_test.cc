@@ -148,6 +148,15 @@ class SessionTest : public ::testing::TestWithParam<Backend> {
     return engine_->Attend(args);
   }
 
+  // Output and weights of `got` within 2e-5 of the stateless call `args`.
+  void ExpectStateless(const AttentionResult& got, const AttentionArgs& args,
+                       const std::string& what) {
+    absl::StatusOr<AttentionResult> want = engine_->Attend(args);
+    ASSERT_THAT(want.status(), IsOk());
+    ExpectNear(Values(got.output.data), Values(want->output.data), 2e-5f, what + " output");
+    ExpectNear(Values(got.weights.data), Values(want->weights.data), 2e-5f, what + " weights");
+  }
+
   std::unique_ptr<Engine> engine_;
 };
 
@@ -186,88 +195,75 @@ TEST(KvCacheTest, AppendsIntoFixedBlocksAndRollsBack) {
   EXPECT_EQ(key[0], 6900.0f);
 }
 
+// Appends rows [first, first + n) of k and v ([rows, heads, dim] each).
+absl::Status AppendInputs(KvCache& cache, const Input& k, const Input& v, int64_t first, int64_t n,
+                          int threads = 1) {
+  const int64_t heads = k.shape[1], kd = k.shape[2], vd = v.shape[2];
+  return cache.Append(n, k.values.data() + first * heads * kd, heads * kd, kd,
+                      v.values.data() + first * heads * vd, heads * vd, vd, threads);
+}
+
+// a's blocks are byte for byte b's.
+void ExpectSameBlocks(const KvCache& a, const KvCache& b) {
+  ASSERT_EQ(a.blocks(), b.blocks());
+  for (int64_t i = 0; i < a.blocks(); ++i) {
+    EXPECT_EQ(std::memcmp(a.KeyBlock(i, 0), b.KeyBlock(i, 0), static_cast<size_t>(a.block_bytes())),
+              0)
+        << "block " << i;
+  }
+}
+
 // Both storage layouts, odd dims (a BFLOAT16 key row is padded to pairs):
-// every element reads back as stored, and a rollback leaves the blocks
-// exactly as if the dropped rows had never come (zeros past the last row,
-// which kernels read).
+// rows appended at once on one thread, or in pieces of every alignment (odd
+// starts, across blocks, the large ones on two threads), make the same
+// blocks byte for byte; every element reads back as stored, one row or many
+// at a time; and a rollback leaves the blocks exactly as if the dropped rows
+// had never come (zeros past the last row, which kernels read).
 TEST(KvCacheTest, EveryElementReadsBackAndRollbackRestoresZeros) {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     SCOPED_TRACE(DTypeName(dtype));
-    const int64_t heads = 2, kd = 5, vd = 3, rows = 70;
+    const int64_t heads = 4, kd = 33, vd = 31, rows = 637;
     const Input k = Random({rows, heads, kd}, 140), v = Random({rows, heads, vd}, 141);
-    auto cache = NewCache(heads, kd, vd, dtype), twin = NewCache(heads, kd, vd, dtype);
-    ASSERT_THAT(cache->Append(rows, k.values.data(), heads * kd, kd, v.values.data(), heads * vd, vd),
-                IsOk());
+    auto cache = NewCache(heads, kd, vd, dtype), pieces = NewCache(heads, kd, vd, dtype);
+    ASSERT_THAT(AppendInputs(*cache, k, v, 0, rows), IsOk());
     cache->Commit();
-    ASSERT_THAT(twin->Append(rows, k.values.data(), heads * kd, kd, v.values.data(), heads * vd, vd),
-                IsOk());
-    twin->Commit();
+    int64_t done = 0;
+    for (int64_t n : {3, 300, 1, 333}) {
+      ASSERT_THAT(AppendInputs(*pieces, k, v, done, n, /*threads=*/2), IsOk());
+      done += n;
+    }
+    ASSERT_EQ(done, rows);
+    EXPECT_EQ(pieces->pending(), rows);
+    pieces->Commit();
+    ExpectSameBlocks(*cache, *pieces);
+    const auto stored_key = [&](int64_t r, int64_t h, int64_t e) {
+      return Stored(k.values[(r * heads + h) * kd + e], dtype);
+    };
+    const auto stored_value = [&](int64_t r, int64_t h, int64_t e) {
+      return Stored(v.values[(r * heads + h) * vd + e], dtype);
+    };
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
         float key[kd], value[vd];
         cache->ReadKey(r, h, key);
         cache->ReadValue(r, h, value);
-        for (int64_t e = 0; e < kd; ++e) ASSERT_EQ(key[e], Stored(k.values[(r * heads + h) * kd + e], dtype));
-        for (int64_t e = 0; e < vd; ++e) ASSERT_EQ(value[e], Stored(v.values[(r * heads + h) * vd + e], dtype));
+        for (int64_t e = 0; e < kd; ++e) ASSERT_EQ(key[e], stored_key(r, h, e));
+        for (int64_t e = 0; e < vd; ++e) ASSERT_EQ(value[e], stored_value(r, h, e));
       }
     }
-    // Rows 70-79 of NaN, dropped.
-    const std::vector<float> nan(10 * heads * std::max(kd, vd), std::numeric_limits<float>::quiet_NaN());
+    const int64_t from = 61, n = 200;  // from an odd row, across blocks
+    std::vector<float> keys(n * kd), values(n * vd);
+    cache->ReadRows(2, from, n, keys.data(), values.data());
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t e = 0; e < kd; ++e) ASSERT_EQ(keys[r * kd + e], stored_key(from + r, 2, e));
+      for (int64_t e = 0; e < vd; ++e) ASSERT_EQ(values[r * vd + e], stored_value(from + r, 2, e));
+    }
+    // 10 rows of NaN, dropped.
+    const std::vector<float> nan(10 * heads * std::max(kd, vd),
+                                 std::numeric_limits<float>::quiet_NaN());
     ASSERT_THAT(cache->Append(10, nan.data(), heads * kd, kd, nan.data(), heads * vd, vd), IsOk());
     cache->Rollback();
-    ASSERT_EQ(cache->blocks(), twin->blocks());
-    for (int64_t b = 0; b < cache->blocks(); ++b) {
-      EXPECT_EQ(std::memcmp(cache->KeyBlock(b, 0), twin->KeyBlock(b, 0),
-                            static_cast<size_t>(cache->block_bytes())),
-                0)
-          << "block " << b;
-    }
-  }
-}
-
-// Rows appended in pieces of every alignment (odd starts, across blocks),
-// the large ones on two threads: the blocks are byte for byte those of one
-// append on one thread, and read back as appended.
-TEST(KvCacheTest, AppendsInPiecesOnThreadsAsInOne) {
-  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    SCOPED_TRACE(DTypeName(dtype));
-    const int64_t heads = 4, kd = 33, vd = 31, rows = 637;
-    const Input k = Random({rows, heads, kd}, 142), v = Random({rows, heads, vd}, 143);
-    auto pieces = NewCache(heads, kd, vd, dtype), whole = NewCache(heads, kd, vd, dtype);
-    int64_t done = 0;
-    for (int64_t n : {3, 300, 1, 333}) {
-      ASSERT_THAT(pieces->Append(n, k.values.data() + done * heads * kd, heads * kd, kd,
-                                 v.values.data() + done * heads * vd, heads * vd, vd,
-                                 /*threads=*/2),
-                  IsOk());
-      done += n;
-    }
-    ASSERT_EQ(done, rows);
-    ASSERT_THAT(whole->Append(rows, k.values.data(), heads * kd, kd, v.values.data(), heads * vd, vd),
-                IsOk());
-    EXPECT_EQ(pieces->pending(), rows);
-    ASSERT_EQ(pieces->blocks(), whole->blocks());
-    for (int64_t b = 0; b < pieces->blocks(); ++b) {
-      ASSERT_EQ(std::memcmp(pieces->KeyBlock(b, 0), whole->KeyBlock(b, 0),
-                            static_cast<size_t>(pieces->block_bytes())),
-                0)
-          << "block " << b;
-    }
-    // Read back many rows at a time, from an odd row across blocks: each
-    // element as stored.
-    const int64_t from = 61, n = 200;
-    std::vector<float> keys(n * kd), values(n * vd);
-    pieces->ReadRows(2, from, n, keys.data(), values.data());
-    for (int64_t r = 0; r < n; ++r) {
-      for (int64_t e = 0; e < kd; ++e) {
-        ASSERT_EQ(keys[r * kd + e], Stored(k.values[((from + r) * heads + 2) * kd + e], dtype))
-            << r << " " << e;
-      }
-      for (int64_t e = 0; e < vd; ++e) {
-        ASSERT_EQ(values[r * vd + e], Stored(v.values[((from + r) * heads + 2) * vd + e], dtype))
-            << r << " " << e;
-      }
-    }
+    ExpectSameBlocks(*cache, *pieces);
   }
 }
 
@@ -383,10 +379,7 @@ TEST_P(SessionTest, PrefillIntoNewSessionsIsTheStatelessCall) {
   as_float.query = qf.view();
   as_float.key = kf.view();
   as_float.value = vf.view();
-  absl::StatusOr<AttentionResult> want = engine_->Attend(as_float);
-  ASSERT_THAT(want.status(), IsOk());
-  ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "grouped-query output");
-  ExpectNear(Values(got->weights.data), Values(want->weights.data), 2e-5f, "grouped-query weights");
+  ExpectStateless(*got, as_float, "grouped-query");
   // Then one row more: the general path over the cached rows.
   const Input q1 = Random({2, 4, 1, 8}, 34), k1 = Random({2, 2, 1, 8}, 35),
               v1 = Random({2, 2, 1, 6}, 36);
@@ -400,10 +393,7 @@ TEST_P(SessionTest, PrefillIntoNewSessionsIsTheStatelessCall) {
   const Input k_all = Concat(kf, k1, 2), v_all = Concat(vf, v1, 2);
   step.key = k_all.view();
   step.value = v_all.view();
-  want = engine_->Attend(step);
-  ASSERT_THAT(want.status(), IsOk());
-  ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f, "step output");
-  ExpectNear(Values(got->weights.data), Values(want->weights.data), 2e-5f, "step weights");
+  ExpectStateless(*got, step, "step");
 }
 
 // One new session and one with rows already: not the prefill's one call.
@@ -1063,85 +1053,64 @@ TEST_P(SessionTest, LayersCacheTheirProjections) {
     weights[key] = Tensor{shape, FloatBuffer(w.values.begin(), w.values.end())};
   }
   auto plain = std::move(MultiheadAttention::Create(plain_config, std::move(weights))).value();
-  for (const MultiheadAttention* layer : {with_extras.get(), plain.get()}) {
-    const MultiheadConfig& config = layer->config();
-    SCOPED_TRACE(config.embed_dim);
-    const int64_t e = config.embed_dim, heads = config.num_heads;
-    auto cache = NewCache(heads, e / heads, e / heads);
-    Input keys, values;
-    for (int64_t rows : {9, 1, 1, 2}) {
-      // Sequence-first, as torch's default.
-      const Input q = Random({rows, 1, e}, seed++), k = Random({rows, 1, config.key_dim()}, seed++),
-                  v = Random({rows, 1, config.value_dim()}, seed++);
-      keys = Concat(keys, k, 0);
-      values = Concat(values, v, 0);
-      AttentionArgs args;
-      args.query = q.view();
-      args.key = k.view();
-      args.value = v.view();
-      args.layout = Layout::kSequenceFirst;
-      args.mask.causal = Causal::kBottomRight;
-      absl::StatusOr<AttentionResult> got = Step(args, {cache.get()}, layer);
-      ASSERT_THAT(got.status(), IsOk());
-      AttentionArgs whole = args;
-      whole.key = keys.view();
-      whole.value = values.view();
-      whole.need_weights = true;
-      absl::StatusOr<AttentionResult> want = layer->Forward(*engine_, whole);
-      ASSERT_THAT(want.status(), IsOk());
-      EXPECT_EQ(got->output.shape, want->output.shape);
-      ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f,
-                 absl::StrCat(rows, " rows"));
-      args.need_weights = true;  // the general path, from a read-only call
-      args.key = TensorView{};
-      args.value = TensorView{};
-      absl::StatusOr<AttentionResult> read = Step(args, {cache.get()}, layer, true);
-      ASSERT_THAT(read.status(), IsOk());
-      ExpectNear(Values(read->output.data), Values(want->output.data), 2e-5f, "read-only");
-      ExpectNear(Values(read->weights.data), Values(want->weights.data), 2e-5f, "weights");
+  // A 9-row prefill the decode kernel computes; a 70-row one with weights,
+  // into two new sessions, is the stateless forward on its own rows.
+  struct Prefill {
+    int64_t batch;
+    std::vector<int64_t> rows;
+    bool need_weights;
+  };
+  for (const Prefill& p : {Prefill{1, {9, 1, 1, 2}, false}, Prefill{2, {70, 1}, true}}) {
+    for (const MultiheadAttention* layer : {with_extras.get(), plain.get()}) {
+      const MultiheadConfig& config = layer->config();
+      SCOPED_TRACE(absl::StrCat("embed_dim ", config.embed_dim, ", batch ", p.batch));
+      const int64_t e = config.embed_dim, heads = config.num_heads;
+      std::vector<std::unique_ptr<KvCache>> owned;
+      std::vector<KvCache*> caches;
+      for (int64_t b = 0; b < p.batch; ++b) {
+        owned.push_back(NewCache(heads, e / heads, e / heads));
+        caches.push_back(owned.back().get());
+      }
+      Input keys, values;
+      for (int64_t rows : p.rows) {
+        // Sequence-first, as torch's default.
+        const Input q = Random({rows, p.batch, e}, seed++),
+                    k = Random({rows, p.batch, config.key_dim()}, seed++),
+                    v = Random({rows, p.batch, config.value_dim()}, seed++);
+        keys = Concat(keys, k, 0);
+        values = Concat(values, v, 0);
+        AttentionArgs args;
+        args.query = q.view();
+        args.key = k.view();
+        args.value = v.view();
+        args.layout = Layout::kSequenceFirst;
+        args.mask.causal = Causal::kBottomRight;
+        args.need_weights = p.need_weights;
+        absl::StatusOr<AttentionResult> got = Step(args, caches, layer);
+        ASSERT_THAT(got.status(), IsOk());
+        AttentionArgs whole = args;
+        whole.key = keys.view();
+        whole.value = values.view();
+        whole.need_weights = true;
+        absl::StatusOr<AttentionResult> want = layer->Forward(*engine_, whole);
+        ASSERT_THAT(want.status(), IsOk());
+        EXPECT_EQ(got->output.shape, want->output.shape);
+        ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f,
+                   absl::StrCat(rows, " rows"));
+        if (p.need_weights) {
+          ExpectNear(Values(got->weights.data), Values(want->weights.data), 2e-5f,
+                     absl::StrCat(rows, " rows, weights"));
+        }
+        args.need_weights = true;  // the general path, from a read-only call
+        args.key = TensorView{};
+        args.value = TensorView{};
+        absl::StatusOr<AttentionResult> read = Step(args, caches, layer, true);
+        ASSERT_THAT(read.status(), IsOk());
+        ExpectNear(Values(read->output.data), Values(want->output.data), 2e-5f, "read-only");
+        ExpectNear(Values(read->weights.data), Values(want->weights.data), 2e-5f, "weights");
+      }
     }
   }
-}
-
-// A layer's prefill into new sessions is its stateless forward (bias_k /
-// bias_v and the zero-attention key after the rows), and caches the
-// projections the next step attends.
-TEST_P(SessionTest, LayerPrefillIntoNewSessionsIsTheStatelessForward) {
-  const testing::GoldenCase c = testing::LoadGoldenCase("mha_bias_kv_zero_attn");
-  auto layer = std::move(MultiheadAttention::Create(testing::MultiheadConfigOf(c),
-                                                    testing::StateDictOf(c)))
-                   .value();
-  const MultiheadConfig& config = layer->config();
-  const int64_t e = config.embed_dim, heads = config.num_heads;
-  auto a = NewCache(heads, e / heads, e / heads), b = NewCache(heads, e / heads, e / heads);
-  Input keys, values;
-  uint32_t seed = 39;
-  for (int64_t rows : {70, 1}) {
-    const Input q = Random({rows, 2, e}, seed++), k = Random({rows, 2, config.key_dim()}, seed++),
-                v = Random({rows, 2, config.value_dim()}, seed++);
-    keys = Concat(keys, k, 0);
-    values = Concat(values, v, 0);
-    AttentionArgs args;
-    args.query = q.view();
-    args.key = k.view();
-    args.value = v.view();
-    args.layout = Layout::kSequenceFirst;
-    args.mask.causal = Causal::kBottomRight;
-    args.need_weights = true;
-    absl::StatusOr<AttentionResult> got = Step(args, {a.get(), b.get()}, layer.get());
-    ASSERT_THAT(got.status(), IsOk());
-    args.key = keys.view();
-    args.value = values.view();
-    absl::StatusOr<AttentionResult> want = layer->Forward(*engine_, args);
-    ASSERT_THAT(want.status(), IsOk());
-    EXPECT_EQ(got->output.shape, want->output.shape);
-    EXPECT_EQ(got->weights.shape, want->weights.shape);
-    ExpectNear(Values(got->output.data), Values(want->output.data), 2e-5f,
-               absl::StrCat(rows, " rows"));
-    ExpectNear(Values(got->weights.data), Values(want->weights.data), 2e-5f,
-               absl::StrCat(rows, " rows, weights"));
-  }
-  EXPECT_EQ(b->length(), 71);
 }
 
 // Session calls batched with each other and with a stateless call: each gets
