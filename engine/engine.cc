@@ -363,8 +363,9 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       if (!sessions[i]) continue;
       absl::Status appended = projected;
       if (appended.ok()) {
-        appended = OutOfMemoryAsStatus("session append",
-                                       [&] { return internal::AppendRows(*sessions[i], backend.threads()); });
+        appended = OutOfMemoryAsStatus("session append", [&] {
+          return internal::AppendRows(*sessions[i], backend.threads());
+        });
       }
       if (appended.ok() && calls[i].interrupt != nullptr) appended = (*calls[i].interrupt)();
       if (!appended.ok()) {

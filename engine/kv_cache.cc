@@ -112,8 +112,8 @@ absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
     void* p = AllocateSessionBlock(size);
     if (p == nullptr) {
       blocks_.resize(had);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "session cache: could not allocate a block of ", block_bytes(), " bytes"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session cache: could not allocate a block of ", block_bytes(), " bytes"));
     }
     // Kernels read whole blocks: zeros past the last row, and in a BFLOAT16
     // key row's pad element. A block these rows fill needs neither.
@@ -232,8 +232,7 @@ void KvCache::ZeroRows(int64_t from, int64_t to) {
   }
 }
 
-void KvCache::ReadRows(int64_t head, int64_t first, int64_t n, float* keys,
-                       float* values) const {
+void KvCache::ReadRows(int64_t head, int64_t first, int64_t n, float* keys, float* values) const {
   for (int64_t i = 0; i < n;) {
     const int64_t block = (first + i) / kBlockRows;
     const int64_t j0 = (first + i) % kBlockRows;
@@ -257,7 +256,8 @@ void KvCache::ReadRows(int64_t head, int64_t first, int64_t n, float* keys,
       for (int64_t j = 0; j < m; ++j) {
         const int64_t row = j0 + j;
         const uint16_t* in = vb + (row / 2) * 2 * value_dim_ + row % 2;
-        for (int64_t e = 0; e < value_dim_; ++e) vo[j * value_dim_ + e] = BFloat16ToFloat(in[2 * e]);
+        float* out = vo + j * value_dim_;
+        for (int64_t e = 0; e < value_dim_; ++e) out[e] = BFloat16ToFloat(in[2 * e]);
       }
     }
     i += m;

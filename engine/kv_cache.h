@@ -63,8 +63,7 @@ class KvCache {
   // `threads` OpenMP threads. RESOURCE_EXHAUSTED when a block cannot be
   // allocated (then nothing is appended).
   absl::Status Append(int64_t rows, const float* k, int64_t k_row_stride, int64_t k_head_stride,
-                      const float* v, int64_t v_row_stride, int64_t v_head_stride,
-                      int threads = 1);
+                      const float* v, int64_t v_row_stride, int64_t v_head_stride, int threads = 1);
   // Makes the pending rows part of the sequence.
   void Commit();
   // Drops the pending rows, and the blocks only they used.

@@ -252,8 +252,8 @@ absl::Status AppendRows(SessionPlan& plan, int threads) {
       const HeadIndexer vix = MakeHeadIndexer(v, a.layout, s.rank4, s.kv_heads, s.value_dim);
       for (int64_t b = 0; b < s.batch; ++b) {
         ATTN_RETURN_IF_ERROR(plan.session->caches[b]->Append(
-            n, kf + kix.Offset(b, 0, 0), kix.pos_stride, kix.head_stride,
-            vf + vix.Offset(b, 0, 0), vix.pos_stride, vix.head_stride, threads));
+            n, kf + kix.Offset(b, 0, 0), kix.pos_stride, kix.head_stride, vf + vix.Offset(b, 0, 0),
+            vix.pos_stride, vix.head_stride, threads));
       }
     }
     if (a.query.dtype == DType::kFloat32) {
@@ -340,16 +340,14 @@ absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan, int threads
       plan.direct_args = a;
       plan.direct_args.query = FloatView(plan.q, a.query.shape);
       if (a.key.present()) {
-        plan.direct_args.key =
-            FloatView(plan.k_copy.empty() ? static_cast<const float*>(a.key.data)
-                                          : plan.k_copy.data(),
-                      a.key.shape);
+        plan.direct_args.key = FloatView(
+            plan.k_copy.empty() ? static_cast<const float*>(a.key.data) : plan.k_copy.data(),
+            a.key.shape);
       }
       if (a.value.present()) {
-        plan.direct_args.value =
-            FloatView(plan.v_copy.empty() ? static_cast<const float*>(a.value.data)
-                                          : plan.v_copy.data(),
-                      a.value.shape);
+        plan.direct_args.value = FloatView(
+            plan.v_copy.empty() ? static_cast<const float*>(a.value.data) : plan.v_copy.data(),
+            a.value.shape);
       }
     }
     ATTN_ASSIGN_OR_RETURN(const AttentionShape shape, ResolveShape(plan.direct_args));
@@ -369,8 +367,8 @@ absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan, int threads
     plan.row_q[b].resize(static_cast<size_t>(s.heads * s.query_len * s.query_dim));
     plan.row_k[b].resize(static_cast<size_t>(s.kv_heads * keys * s.key_dim));
     plan.row_v[b].resize(static_cast<size_t>(s.kv_heads * keys * s.value_dim));
-    copied += static_cast<int64_t>(plan.row_q[b].size() + plan.row_k[b].size() +
-                                   plan.row_v[b].size());
+    copied +=
+        static_cast<int64_t>(plan.row_q[b].size() + plan.row_k[b].size() + plan.row_v[b].size());
     AttentionArgs r;
     r.query = FloatView(plan.row_q[b].data(), {1, s.heads, s.query_len, s.query_dim});
     r.key = FloatView(plan.row_k[b].data(), {1, s.kv_heads, keys, s.key_dim});

@@ -373,18 +373,19 @@ struct PrefillFigures {
   double session = 0, stateless = 0, ratio = 0;
 };
 
-PrefillFigures Prefill(const Engine& engine, int64_t heads, int64_t keys, int64_t held,
-                       int64_t dim, int rounds) {
+PrefillFigures Prefill(const Engine& engine, int64_t heads, int64_t keys, int64_t held, int64_t dim,
+                       int rounds) {
   const int64_t e = heads * dim;
   const std::vector<float> x = RandomFloats(static_cast<size_t>((held + keys) * e), 4);
   AttentionArgs args;  // the new rows; key = value = query
-  args.query = TensorView{DType::kFloat32, {1, keys, e}, x.data() + held * e,
-                          static_cast<size_t>(keys * e) * 4};
+  args.query = TensorView{
+      DType::kFloat32, {1, keys, e}, x.data() + held * e, static_cast<size_t>(keys * e) * 4};
   args.num_heads = heads;
   args.mask.causal = Causal::kBottomRight;
   AttentionArgs stateless = args;
   stateless.key = TensorView{DType::kFloat32, {1, held + keys, e}, x.data(), x.size() * 4};
-  std::unique_ptr<KvCache> older = std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
+  std::unique_ptr<KvCache> older =
+      std::move(KvCache::Create(heads, dim, dim, DType::kFloat32)).value();
   if (!older->Append(held, x.data(), e, dim, x.data(), e, dim).ok()) std::exit(2);
   older->Commit();
   const std::vector<Timed> calls = {
