@@ -264,30 +264,4 @@ void KvCache::ReadRows(int64_t head, int64_t first, int64_t n, float* keys, floa
   }
 }
 
-void KvCache::ReadKey(int64_t row, int64_t head, float* out) const {
-  const int64_t j = row % kBlockRows;
-  const void* block = KeyBlock(row / kBlockRows, head);
-  if (dtype_ == DType::kFloat32) {
-    const float* in = static_cast<const float*>(block) + j;
-    for (int64_t e = 0; e < key_dim_; ++e) out[e] = in[e * kBlockRows];
-  } else {
-    const uint16_t* in = static_cast<const uint16_t*>(block) + 2 * j;
-    for (int64_t e = 0; e < key_dim_; ++e) {
-      out[e] = BFloat16ToFloat(in[(e / 2) * 2 * kBlockRows + e % 2]);
-    }
-  }
-}
-
-void KvCache::ReadValue(int64_t row, int64_t head, float* out) const {
-  const int64_t j = row % kBlockRows;
-  const void* block = ValueBlock(row / kBlockRows, head);
-  if (dtype_ == DType::kFloat32) {
-    std::memcpy(out, static_cast<const float*>(block) + j * value_dim_,
-                static_cast<size_t>(value_dim_) * sizeof(float));
-  } else {
-    const uint16_t* in = static_cast<const uint16_t*>(block) + (j / 2) * 2 * value_dim_ + j % 2;
-    for (int64_t e = 0; e < value_dim_; ++e) out[e] = BFloat16ToFloat(in[2 * e]);
-  }
-}
-
 }  // namespace attention

@@ -75,9 +75,6 @@ class KvCache {
   const void* ValueBlock(int64_t block, int64_t head) const;
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
 
-  // Row `row` (< length() + pending()) of head `head` as float32.
-  void ReadKey(int64_t row, int64_t head, float* out) const;
-  void ReadValue(int64_t row, int64_t head, float* out) const;
   // Rows [first, first + n) (within length() + pending()) of head `head` as
   // float32, row by row: keys [n, key_dim], values [n, value_dim].
   void ReadRows(int64_t head, int64_t first, int64_t n, float* keys, float* values) const;

@@ -215,8 +215,6 @@ absl::Status AppendRows(SessionPlan& plan, int threads) {
   const AttentionShape& s = plan.shape;
   const bool batch_first = s.rank4 || a.layout == Layout::kBatchFirst;
   const int64_t n = s.key_len;
-  std::vector<float>& k_copy = plan.k_copy;
-  std::vector<float>& v_copy = plan.v_copy;
   if (plan.layer_plan) {
     const LayerPlan& lp = *plan.layer_plan;
     const int64_t e = plan.layer->config().embed_dim;
@@ -246,14 +244,14 @@ absl::Status AppendRows(SessionPlan& plan, int threads) {
         copy = LoadFloats(view);
         return static_cast<const float*>(copy.data());
       };
-      const float* kf = floats(k, k_copy);
-      const float* vf = &v == &k ? kf : floats(v, v_copy);
+      plan.k = floats(k, plan.k_copy);
+      plan.v = &v == &k ? plan.k : floats(v, plan.v_copy);
       const HeadIndexer kix = MakeHeadIndexer(k, a.layout, s.rank4, s.kv_heads, s.key_dim);
       const HeadIndexer vix = MakeHeadIndexer(v, a.layout, s.rank4, s.kv_heads, s.value_dim);
       for (int64_t b = 0; b < s.batch; ++b) {
         ATTN_RETURN_IF_ERROR(plan.session->caches[b]->Append(
-            n, kf + kix.Offset(b, 0, 0), kix.pos_stride, kix.head_stride, vf + vix.Offset(b, 0, 0),
-            vix.pos_stride, vix.head_stride, threads));
+            n, plan.k + kix.Offset(b, 0, 0), kix.pos_stride, kix.head_stride,
+            plan.v + vix.Offset(b, 0, 0), vix.pos_stride, vix.head_stride, threads));
       }
     }
     if (a.query.dtype == DType::kFloat32) {
@@ -339,16 +337,8 @@ absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan, int threads
       // The call as it came, its tensors as float32 (as appended).
       plan.direct_args = a;
       plan.direct_args.query = FloatView(plan.q, a.query.shape);
-      if (a.key.present()) {
-        plan.direct_args.key = FloatView(
-            plan.k_copy.empty() ? static_cast<const float*>(a.key.data) : plan.k_copy.data(),
-            a.key.shape);
-      }
-      if (a.value.present()) {
-        plan.direct_args.value = FloatView(
-            plan.v_copy.empty() ? static_cast<const float*>(a.value.data) : plan.v_copy.data(),
-            a.value.shape);
-      }
+      if (a.key.present()) plan.direct_args.key = FloatView(plan.k, a.key.shape);
+      if (a.value.present()) plan.direct_args.value = FloatView(plan.v, a.value.shape);
     }
     ATTN_ASSIGN_OR_RETURN(const AttentionShape shape, ResolveShape(plan.direct_args));
     return std::vector<BackendCall>{{&plan.direct_args, shape, interrupt}};

@@ -53,7 +53,11 @@ struct SessionPlan {
   // PlanSession; its arguments by RowCalls).
   bool direct = false;
   AttentionArgs direct_args;
-  std::vector<float> k_copy, v_copy;  // the call's key / value as float32
+  // A raw call's new key and value rows as float32 (set by AppendRows), and
+  // their copies when the call's are of another dtype.
+  const float* k = nullptr;
+  const float* v = nullptr;
+  std::vector<float> k_copy, v_copy;
   // Per batch row of the general path: its query, keys and values as
   // contiguous rank-4 copies, and the call on them.
   std::vector<FloatBuffer> row_q, row_k, row_v;
@@ -80,9 +84,8 @@ AttentionShape FullShape(const SessionPlan& plan);
 absl::Status AppendRows(SessionPlan& plan, int threads);
 // The decode kernel's items for a plan with `decode` set.
 std::vector<DecodeItem> DecodeItems(SessionPlan& plan);
-// The backend calls of a plan without `decode`: one per batch row, or the
-// one direct call.
-// The copies are made on up to `threads` threads.
+// The backend calls of a plan without `decode`: one per batch row (their
+// copies made on up to `threads` threads), or the one direct call.
 absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan, int threads,
                                                   const std::function<absl::Status()>* interrupt);
 // Copies the row calls' results (as many as RowCalls made) into plan.out and

@@ -180,8 +180,7 @@ TEST(KvCacheTest, AppendsIntoFixedBlocksAndRollsBack) {
   cache->Commit();
   EXPECT_EQ(cache->length(), 70);
   float key[3], value[4];
-  cache->ReadKey(66, 1, key);
-  cache->ReadValue(66, 1, value);
+  cache->ReadRows(1, 66, 1, key, value);
   EXPECT_EQ(key[2], 6612.0f);
   EXPECT_EQ(value[3], -6613.0f);
   // A failed call's rows go, and the blocks only they used.
@@ -191,7 +190,7 @@ TEST(KvCacheTest, AppendsIntoFixedBlocksAndRollsBack) {
   EXPECT_EQ(cache->length(), 70);
   EXPECT_EQ(cache->pending(), 0);
   EXPECT_EQ(cache->bytes(), 2 * cache->block_bytes());
-  cache->ReadKey(69, 0, key);
+  cache->ReadRows(0, 69, 1, key, value);
   EXPECT_EQ(key[0], 6900.0f);
 }
 
@@ -245,8 +244,7 @@ TEST(KvCacheTest, EveryElementReadsBackAndRollbackRestoresZeros) {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
         float key[kd], value[vd];
-        cache->ReadKey(r, h, key);
-        cache->ReadValue(r, h, value);
+        cache->ReadRows(h, r, 1, key, value);
         for (int64_t e = 0; e < kd; ++e) ASSERT_EQ(key[e], stored_key(r, h, e));
         for (int64_t e = 0; e < vd; ++e) ASSERT_EQ(value[e], stored_value(r, h, e));
       }
@@ -279,8 +277,7 @@ TEST(KvCacheTest, BFloat16StorageRoundsToNearestEven) {
   const float k[2] = {1.00390625f, 3.14159f}, v[2] = {-2.5f, 1e-3f};
   ASSERT_THAT(cache->Append(1, k, 2, 2, v, 2, 2), IsOk());
   float key[2], value[2];
-  cache->ReadKey(0, 0, key);
-  cache->ReadValue(0, 0, value);
+  cache->ReadRows(0, 0, 1, key, value);
   EXPECT_EQ(key[0], BFloat16ToFloat(FloatToBFloat16(k[0])));
   EXPECT_EQ(key[1], BFloat16ToFloat(FloatToBFloat16(k[1])));
   EXPECT_EQ(value[0], -2.5f);
@@ -344,8 +341,7 @@ TEST_P(SessionTest, PrefillIntoNewSessionsIsTheStatelessCall) {
     EXPECT_EQ(Values(got->weights.data), Values(want->weights.data));
     for (int64_t row : {0, 63, 64, 69}) {
       float key[8], value[8];
-      b->ReadKey(row, 3, key);
-      b->ReadValue(row, 3, value);
+      b->ReadRows(3, row, 1, key, value);
       for (int64_t e = 0; e < 8; ++e) {
         const float stored = Stored(x.values[(70 + row) * 32 + 24 + e], dtype);
         ASSERT_EQ(key[e], stored) << row;
