@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -25,6 +26,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/completion_queue.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -110,13 +112,22 @@ absl::Status ToAbslStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-void PrepareContext(const ClientOptions& options, grpc::ClientContext* context) {
-  if (options.timeout > absl::ZeroDuration() && options.timeout != absl::InfiniteDuration()) {
-    context->set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
-  }
+// The options' timeout is a deadline: positive and finite.
+bool HasDeadline(const ClientOptions& options) {
+  return options.timeout > absl::ZeroDuration() && options.timeout != absl::InfiniteDuration();
+}
+
+void AddToken(const ClientOptions& options, grpc::ClientContext* context) {
   if (!options.bearer_token.empty()) {
     context->AddMetadata("authorization", absl::StrCat("Bearer ", options.bearer_token));
   }
+}
+
+void PrepareContext(const ClientOptions& options, grpc::ClientContext* context) {
+  if (HasDeadline(options)) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
+  }
+  AddToken(options, context);
 }
 
 // Runs one unary call of `method` on `stub` with the options' deadline and
@@ -148,7 +159,193 @@ std::string AffinityOf(const CallOptions& call, absl::string_view fallback) {
   return call.affinity.empty() ? std::string(fallback) : call.affinity;
 }
 
+// The completion-queue tags of an AttendStream's operations.
+enum StreamOp : int { kStart, kWrite, kRead, kWritesDone, kFinish, kStreamOps };
+
 }  // namespace
+
+// An asynchronous stream driven one message at a time, so that each wait has
+// a deadline of its own (a synchronous stream's deadline is the whole call's).
+struct AttendStream::Impl {
+  Impl(const ClientOptions& options, v1::AttentionService::Stub& stub, absl::string_view affinity)
+      : options(options) {
+    AddToken(options, &context);
+    if (!affinity.empty()) context.AddMetadata(kAffinityHeader, std::string(affinity));
+    stream = stub.PrepareAsyncAttendStream(&context, &queue);
+    Begin(kStart);
+    stream->StartCall(Tag(kStart));
+  }
+
+  ~Impl() {
+    if (open) {
+      End(/*cancel=*/true, absl::CancelledError("the AttendStream was dropped")).IgnoreError();
+    }
+    queue.Shutdown();
+    void* tag;
+    bool ok;
+    while (queue.Next(&tag, &ok)) {
+    }
+  }
+
+  static void* Tag(StreamOp op) { return reinterpret_cast<void*>(static_cast<intptr_t>(op) + 1); }
+
+  void Begin(StreamOp op) {
+    done[op] = false;
+    ++pending;
+  }
+
+  void Completed(void* tag, bool ok) {
+    const int op = static_cast<int>(reinterpret_cast<intptr_t>(tag) - 1);
+    done[op] = true;
+    succeeded[op] = ok;
+    --pending;
+  }
+
+  // Waits until every op of `ops` has completed; false when `deadline`
+  // (if any) passed first.
+  bool Await(std::initializer_list<StreamOp> ops,
+             std::optional<std::chrono::system_clock::time_point> deadline) {
+    auto all_done = [&] {
+      for (StreamOp op : ops) {
+        if (!done[op]) return false;
+      }
+      return true;
+    };
+    while (!all_done()) {
+      void* tag;
+      bool ok;
+      if (deadline.has_value()) {
+        if (queue.AsyncNext(&tag, &ok, *deadline) != grpc::CompletionQueue::GOT_EVENT) {
+          return false;
+        }
+      } else if (!queue.Next(&tag, &ok)) {
+        return false;
+      }
+      Completed(tag, ok);
+    }
+    return true;
+  }
+
+  // Waits out every operation started; after a cancel they all complete.
+  void Drain() {
+    while (pending > 0) {
+      void* tag;
+      bool ok;
+      if (!queue.Next(&tag, &ok)) return;
+      Completed(tag, ok);
+    }
+  }
+
+  // The deadline of one message's wait, none without a timeout.
+  std::optional<std::chrono::system_clock::time_point> Deadline() const {
+    if (!HasDeadline(options)) return std::nullopt;
+    return absl::ToChronoTime(absl::Now() + options.timeout);
+  }
+
+  // Ends the stream: cancels it if `cancel`, waits for its operations and its
+  // status, and records why it ended: `why` when set, else the status (an OK
+  // one as `unanswered`). Returns that.
+  absl::Status End(bool cancel, std::optional<absl::Status> why,
+                   absl::string_view unanswered = "") {
+    if (cancel) context.TryCancel();
+    Drain();
+    grpc::Status status;
+    Begin(kFinish);
+    stream->Finish(&status, Tag(kFinish));
+    if (!Await({kFinish}, Deadline())) {
+      context.TryCancel();
+      Drain();
+    }
+    ReadReplica();
+    open = false;
+    if (why.has_value()) {
+      ended = *std::move(why);
+    } else if (!status.ok()) {
+      ended = ToAbslStatus(status);
+    } else if (!unanswered.empty()) {
+      ended = absl::UnavailableError(unanswered);
+    }
+    return ended;
+  }
+
+  void ReadReplica() {
+    const auto& metadata = context.GetServerInitialMetadata();
+    if (auto it = metadata.find(kReplicaHeader); it != metadata.end()) {
+      replica.assign(it->second.data(), it->second.size());
+    }
+  }
+
+  const ClientOptions options;
+  grpc::ClientContext context;
+  grpc::CompletionQueue queue;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream;
+  bool done[kStreamOps] = {};
+  bool succeeded[kStreamOps] = {};
+  int pending = 0;
+  bool open = true;
+  bool answered = false;
+  // Why the stream ended, once it has.
+  absl::Status ended;
+  std::string replica;
+};
+
+AttendStream::AttendStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+AttendStream::~AttendStream() = default;
+
+bool AttendStream::open() const { return impl_->open; }
+
+const std::string& AttendStream::replica() const { return impl_->replica; }
+
+absl::StatusOr<v1::AttendResponse> AttendStream::Call(const v1::AttendRequest& request) {
+  Impl& s = *impl_;
+  if (!s.open) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the AttendStream has ended: ", s.ended.ToString()));
+  }
+  const std::optional<std::chrono::system_clock::time_point> deadline = s.Deadline();
+  const auto timed_out = [&s] {
+    return s.End(/*cancel=*/true, absl::DeadlineExceededError(
+                                      absl::StrCat("no answer on the AttendStream within ",
+                                                   absl::FormatDuration(s.options.timeout))));
+  };
+  if (!s.done[kStart] && !s.Await({kStart}, deadline)) return timed_out();
+  if (!s.succeeded[kStart]) {
+    return s.End(/*cancel=*/false, std::nullopt, "the AttendStream did not start");
+  }
+  v1::AttendResponse response;
+  s.Begin(kWrite);
+  s.stream->Write(request, Impl::Tag(kWrite));
+  s.Begin(kRead);
+  s.stream->Read(&response, Impl::Tag(kRead));
+  if (!s.Await({kWrite, kRead}, deadline)) return timed_out();
+  if (!s.succeeded[kWrite] || !s.succeeded[kRead]) {
+    return s.End(/*cancel=*/!s.succeeded[kWrite] && s.succeeded[kRead], std::nullopt,
+                 "the server ended the AttendStream without answering");
+  }
+  if (!s.answered) {
+    s.answered = true;
+    s.ReadReplica();
+  }
+  if (response.status().code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(response.status().code()),
+                        response.status().message());
+  }
+  return response;
+}
+
+absl::Status AttendStream::Close() {
+  Impl& s = *impl_;
+  if (!s.open) return absl::OkStatus();
+  const std::optional<std::chrono::system_clock::time_point> deadline = s.Deadline();
+  bool half_closed = s.Await({kStart}, deadline) && s.succeeded[kStart];
+  if (half_closed) {
+    s.Begin(kWritesDone);
+    s.stream->WritesDone(Impl::Tag(kWritesDone));
+    half_closed = s.Await({kWritesDone}, deadline);
+  }
+  return s.End(/*cancel=*/!half_closed, std::nullopt);
+}
 
 absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
     const ClientOptions& options) {
@@ -207,6 +404,11 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendReque
       request.session().ids().empty() ? absl::string_view() : request.session().ids(0);
   return Call<v1::AttendResponse>(options_, *stub_, &v1::AttentionService::Stub::Attend, request,
                                   call, AffinityOf(call, first));
+}
+
+std::unique_ptr<AttendStream> AttentionClient::OpenStream(const CallOptions& call) {
+  return std::unique_ptr<AttendStream>(
+      new AttendStream(std::make_unique<AttendStream::Impl>(options_, *stub_, call.affinity)));
 }
 
 absl::StatusOr<v1::ServerInfo> AttentionClient::GetServerInfo() {

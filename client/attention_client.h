@@ -76,6 +76,41 @@ struct CallOptions {
   std::string* replica = nullptr;
 };
 
+// One AttendStream call: requests sent one at a time on a single HTTP/2
+// stream, each answered before the next is sent, so that a caller making
+// many small calls (a decoder's steps) neither opens a stream per call nor
+// is routed again per call by a proxy. Opened by AttentionClient::OpenStream;
+// thread-compatible.
+class AttendStream {
+ public:
+  ~AttendStream();  // Cancels the stream if it is still open.
+  AttendStream(const AttendStream&) = delete;
+  AttendStream& operator=(const AttendStream&) = delete;
+
+  // Sends `request` and waits for its answer, at most the client's timeout
+  // (a deadline per message; the stream itself has none). An answer with an
+  // error status comes back as that status (code and message), and the
+  // stream goes on. When the stream ends instead (the server ended it, the
+  // connection failed, or the timeout passed, which cancels it), the error is
+  // the stream's (DEADLINE_EXCEEDED for the timeout; UNAVAILABLE when the
+  // server ended it OK without answering) and open() turns false; after
+  // that, FAILED_PRECONDITION.
+  absl::StatusOr<v1::AttendResponse> Call(const v1::AttendRequest& request);
+  // Half-closes the stream and returns how the server ended it; OK when the
+  // stream had already ended.
+  absl::Status Close();
+  bool open() const;
+  // The replica that answered (its "attention-replica" metadata; empty
+  // before the first answer or if the server sent none).
+  const std::string& replica() const;
+
+ private:
+  friend class AttentionClient;
+  struct Impl;
+  explicit AttendStream(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 // A connection to one attention service target. Thread-safe.
 class AttentionClient {
  public:
@@ -94,6 +129,10 @@ class AttentionClient {
   // DEADLINE_EXCEEDED after options.timeout, UNAVAILABLE when unreachable.
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
                                             const CallOptions& call = {});
+  // Opens an AttendStream carrying call.affinity (when not empty) and the
+  // token; call.replica is not used (see AttendStream::replica). Streams are
+  // never retried. Sends nothing until the first Call.
+  std::unique_ptr<AttendStream> OpenStream(const CallOptions& call = {});
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
   absl::StatusOr<v1::ListModelsResponse> ListModels();
   absl::StatusOr<v1::GetModelResponse> GetModel(const std::string& name);
@@ -111,6 +150,7 @@ class AttentionClient {
   absl::StatusOr<std::string> Health(const std::string& service = "");
 
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  const ClientOptions& options() const { return options_; }
 
  private:
   AttentionClient(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);

@@ -1,8 +1,11 @@
 #include "client/session.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +14,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/tensors.h"
 #include "common/shape_string.h"
 #include "common/status_macros.h"
@@ -20,6 +25,11 @@ namespace {
 
 // The server's limit on a session id.
 constexpr size_t kMaxIdBytes = 128;
+
+// A stream session's waits before sending a step again: the channel's retry
+// policy's (attention_client.cc, ServiceConfig).
+constexpr absl::Duration kFirstBackoff = absl::Milliseconds(100);
+constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
 
 // The dim of `rows` that counts rows: rank 3 [B, S, E] (SEQUENCE_FIRST
 // [S, B, E]) or rank 4 [B, H, S, D].
@@ -157,7 +167,11 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(AttentionClient* client
 }
 
 Session::Session(AttentionClient* client, SessionOptions options)
-    : client_(client), options_(std::move(options)) {
+    : client_(client),
+      options_(std::move(options)),
+      random_(static_cast<std::minstd_rand::result_type>(
+          std::hash<std::string>()(options_.id) ^
+          static_cast<size_t>(absl::ToUnixNanos(absl::Now())))) {
   if (options_.keep_rows) {
     keys_ = std::make_unique<RowLog>("key");
     values_ = std::make_unique<RowLog>("value");
@@ -192,7 +206,7 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     ATTN_RETURN_IF_ERROR(keys_->Check(Keys(request), key_axis));
     ATTN_RETURN_IF_ERROR(values_->Check(Values(request), value_axis));
   }
-  absl::StatusOr<v1::AttendResponse> answer = client_->Attend(request, Call());
+  absl::StatusOr<v1::AttendResponse> answer = Send(request);
   if (answer.ok()) {
     Advance(request, position_, *answer);
     return answer;
@@ -215,7 +229,7 @@ absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& st
   ATTN_ASSIGN_OR_RETURN(v1::Tensor values, values_->With(Values(step), value_axis));
   *request.mutable_key() = std::move(keys);
   *request.mutable_value() = std::move(values);
-  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, client_->Attend(request, Call()));
+  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, Send(request));
   ++recreations_;
   Advance(step, /*base=*/request.key().shape(key_axis) - Keys(step).shape(key_axis), answer);
   return answer;
@@ -226,6 +240,30 @@ CallOptions Session::Call() {
   call.affinity = options_.affinity.empty() ? options_.id : options_.affinity;
   call.replica = &replica_;
   return call;
+}
+
+absl::StatusOr<v1::AttendResponse> Session::Send(const v1::AttendRequest& request) {
+  if (!options_.stream) return client_->Attend(request, Call());
+  // Attempts as the channel's retry policy makes them for a unary call
+  // (attention_client.cc, ServiceConfig): a wait of up to 0.1 s before the
+  // second, doubling up to 1 s, each drawn at random below it.
+  const int attempts = client_->options().max_attempts;
+  absl::Duration backoff = kFirstBackoff;
+  for (int attempt = 1;; ++attempt) {
+    if (stream_ == nullptr) stream_ = client_->OpenStream(Call());
+    absl::StatusOr<v1::AttendResponse> answer = stream_->Call(request);
+    replica_ = stream_->replica();
+    if (stream_->open()) return answer;
+    // The stream ended instead of answering; the next attempt or step opens
+    // another. UNAVAILABLE without an answer: the server had not taken the
+    // request (a draining server answers what it took), or never got it.
+    stream_.reset();
+    if (attempt >= attempts || answer.status().code() != absl::StatusCode::kUnavailable) {
+      return answer;
+    }
+    absl::SleepFor(backoff * std::uniform_real_distribution<double>(0, 1)(random_));
+    backoff = std::min(backoff * 2, kMaxBackoff);
+  }
 }
 
 void Session::Advance(const v1::AttendRequest& step, int64_t base,
@@ -245,6 +283,12 @@ void Session::Advance(const v1::AttendRequest& step, int64_t base,
 
 absl::Status Session::Close() {
   if (closed_) return absl::OkStatus();
+  if (stream_ != nullptr) {
+    // How the stream ended does not matter to the session: its rows are
+    // closed below either way.
+    stream_->Close().IgnoreError();
+    stream_.reset();
+  }
   if (created_) {
     absl::StatusOr<v1::CloseSessionsResponse> closed = client_->CloseSessions({id()}, Call());
     if (!closed.ok()) return closed.status();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,14 @@ struct SessionOptions {
   // Sent as "attention-affinity" on every call of the session, so that a
   // proxy hashing on it routes them all to one replica; empty: the id.
   std::string affinity;
+  // Send the steps as messages on one AttendStream (AttentionClient::
+  // OpenStream) instead of a unary Attend each: no HTTP/2 stream to open per
+  // step, and a proxy routes the stream once. The stream opens at the first
+  // step and again after one ends. A step whose stream ends UNAVAILABLE
+  // without answering it (a server draining, a connection lost) is sent again
+  // on a new stream, as the client's retries would a unary call: up to
+  // max_attempts in all, 0.1 s to 1 s apart. Close closes the stream.
+  bool stream = false;
 };
 
 // A session as its client sees it: the id, the rows the server holds
@@ -76,10 +85,11 @@ class Session {
                                           std::optional<v1::Tensor> key = std::nullopt,
                                           std::optional<v1::Tensor> value = std::nullopt);
 
-  // Closes the session on the server (CloseSessions). OK also when the
-  // server no longer had it; a session no step created sends nothing. Later
-  // steps are FAILED_PRECONDITION. Dropping a Session does not close it: the
-  // server keeps it until it expires or is evicted.
+  // Closes the session's stream, if any, then the session on the server
+  // (CloseSessions). OK also when the server no longer had it; a session no
+  // step created sends nothing. Later steps are FAILED_PRECONDITION. Dropping
+  // a Session does not close it: the server keeps it until it expires or is
+  // evicted.
   absl::Status Close();
 
   const std::string& id() const { return options_.id; }
@@ -106,6 +116,9 @@ class Session {
   void Advance(const v1::AttendRequest& step, int64_t base, const v1::AttendResponse& answer);
   // Every call's affinity, and where the answering replica's name goes.
   CallOptions Call();
+  // Sends one request of the session: on the stream with options.stream,
+  // else as a unary Attend.
+  absl::StatusOr<v1::AttendResponse> Send(const v1::AttendRequest& request);
   // `step` (which the server answered NOT_FOUND) as a create over the kept rows.
   absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step);
 
@@ -118,6 +131,11 @@ class Session {
   std::string replica_;
   std::unique_ptr<RowLog> keys_;
   std::unique_ptr<RowLog> values_;
+  // With options.stream, the open stream (null before the first step and
+  // after one ended).
+  std::unique_ptr<AttendStream> stream_;
+  // Draws the waits between a stream step's attempts.
+  std::minstd_rand random_;
 };
 
 }  // namespace attention::client

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/tensors.h"
 #include "gmock/gmock.h"
@@ -167,6 +168,94 @@ TEST_F(AttentionClientTest, SessionCallsReturnTheServersAnswers) {
               StatusIs(absl::StatusCode::kNotFound, "session a is not open"));
 }
 
+// `id`'s one-row query of two floats from `first`.
+v1::AttendRequest StreamRequest(const std::string& id, float first) {
+  v1::AttendRequest request;
+  request.set_id(id);
+  *request.mutable_query() = *MakeFloatTensor({1, 1, 2}, {first, first + 1});
+  return request;
+}
+
+TEST_F(AttentionClientTest, AStreamAnswersEachCallInTurnAndGoesOnAfterAnError) {
+  ClientOptions options;
+  options.bearer_token = "s3cret";
+  std::unique_ptr<AttentionClient> client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  server_.set_replica("replica-a");
+  std::unique_ptr<AttendStream> stream = client->OpenStream({.affinity = "group-7"});
+  EXPECT_TRUE(stream->open());
+  EXPECT_EQ(stream->replica(), "");
+
+  absl::StatusOr<v1::AttendResponse> first = stream->Call(StreamRequest("r1", 1));
+  ASSERT_THAT(first, IsOk());
+  EXPECT_EQ(first->id(), "r1");
+  EXPECT_THAT(ReadFloats(first->output()), IsOkAndHolds(ElementsAre(1, 2)));
+  EXPECT_EQ(stream->replica(), "replica-a");
+  EXPECT_EQ(server_.last_affinity(), "group-7");
+  EXPECT_EQ(server_.last_authorization(), "Bearer s3cret");
+
+  // An answer with an error status is that status; the stream goes on.
+  EXPECT_THAT(stream->Call(StreamRequest("fail", 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "mask.valid_lens: shape [3] does not match batch size 2"));
+  EXPECT_TRUE(stream->open());
+  absl::StatusOr<v1::AttendResponse> third = stream->Call(StreamRequest("r3", 5));
+  ASSERT_THAT(third, IsOk());
+  EXPECT_THAT(ReadFloats(third->output()), IsOkAndHolds(ElementsAre(5, 6)));
+  EXPECT_EQ(server_.attend_streams(), 1);
+  EXPECT_EQ(server_.attend_calls(), 3);
+
+  EXPECT_THAT(stream->Close(), IsOk());
+  EXPECT_FALSE(stream->open());
+  EXPECT_THAT(stream->Close(), IsOk());
+  EXPECT_THAT(stream->Call(StreamRequest("r4", 0)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("has ended")));
+  EXPECT_EQ(server_.attend_calls(), 3);
+}
+
+// The timeout bounds each message's wait, not the stream: calls further
+// apart than it succeed, and one unanswered within it ends the stream.
+TEST_F(AttentionClientTest, AStreamsTimeoutIsPerMessage) {
+  ClientOptions options;
+  options.timeout = absl::Milliseconds(300);
+  std::unique_ptr<AttentionClient> client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  std::unique_ptr<AttendStream> stream = client->OpenStream();
+  ASSERT_THAT(stream->Call(StreamRequest("r1", 0)), IsOk());
+  absl::SleepFor(absl::Milliseconds(400));
+  ASSERT_THAT(stream->Call(StreamRequest("r2", 0)), IsOk());
+
+  server_.HangCall(3);
+  const absl::Time sent = absl::Now();
+  EXPECT_THAT(
+      stream->Call(StreamRequest("r3", 0)),
+      StatusIs(absl::StatusCode::kDeadlineExceeded, "no answer on the AttendStream within 300ms"));
+  EXPECT_LT(absl::Now() - sent, absl::Seconds(5));
+  EXPECT_FALSE(stream->open());
+  EXPECT_THAT(stream->Call(StreamRequest("r4", 0)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("DEADLINE_EXCEEDED: no answer on the AttendStream within 300ms")));
+  EXPECT_EQ(server_.attend_calls(), 3);
+}
+
+TEST_F(AttentionClientTest, AStreamTheServerEndsReturnsItsStatus) {
+  std::unique_ptr<AttentionClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  server_.EndStreamAtCall(2, grpc::StatusCode::UNAVAILABLE);
+  std::unique_ptr<AttendStream> stream = client->OpenStream();
+  ASSERT_THAT(stream->Call(StreamRequest("r1", 0)), IsOk());
+  EXPECT_THAT(stream->Call(StreamRequest("r2", 0)),
+              StatusIs(absl::StatusCode::kUnavailable, "injected end of the stream at call 2"));
+  EXPECT_FALSE(stream->open());
+  EXPECT_THAT(stream->Close(), IsOk());
+
+  // Dropping a stream that is still open cancels it.
+  std::unique_ptr<AttendStream> dropped = client->OpenStream();
+  ASSERT_THAT(dropped->Call(StreamRequest("r3", 0)), IsOk());
+  dropped.reset();
+  EXPECT_EQ(server_.attend_streams(), 2);
+}
+
 TEST(AttentionClientUnreachableTest, UnusedPortIsUnavailable) {
   std::string target;
   {
@@ -180,6 +269,10 @@ TEST(AttentionClientUnreachableTest, UnusedPortIsUnavailable) {
   absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
   ASSERT_THAT(client, IsOk());
   EXPECT_THAT((*client)->GetServerInfo(), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  std::unique_ptr<AttendStream> stream = (*client)->OpenStream();
+  EXPECT_THAT(stream->Call(StreamRequest("r1", 0)),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  EXPECT_FALSE(stream->open());
 }
 
 }  // namespace

@@ -47,14 +47,10 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
   grpc::Status Attend(grpc::ServerContext* context, const v1::AttendRequest* request,
                       v1::AttendResponse* response) override {
     Record(*context);
+    SendReplica(context);
     const Fate fate = CountAndStall(*context);
     if (!fate.failure.ok()) return fate.failure;
-    if (fate.hang || request->id() == "hang") {
-      const absl::Time give_up = absl::Now() + absl::Seconds(30);
-      while (!context->IsCancelled() && absl::Now() < give_up)
-        absl::SleepFor(absl::Milliseconds(5));
-      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-    }
+    if (fate.hang || request->id() == "hang") return HangUntilCancelled(*context);
     return Answer(*request, response);
   }
 
@@ -62,9 +58,16 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream) override {
     Record(*context);
+    SendReplica(context);
+    {
+      absl::MutexLock lock(&state_->mu);
+      ++state_->attend_streams;
+    }
     v1::AttendRequest request;
     while (stream->Read(&request)) {
       const Fate fate = CountAndStall(*context);
+      if (fate.hang) return HangUntilCancelled(*context);
+      if (!fate.end_stream.ok()) return fate.end_stream;
       v1::AttendResponse response;
       const grpc::Status status = fate.failure.ok() ? Answer(request, &response) : fate.failure;
       if (!status.ok()) {
@@ -148,11 +151,24 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     state_->affinity = Metadata(context, "attention-affinity");
   }
 
-  // What HangCall and FailCall chose for a call.
+  void SendReplica(grpc::ServerContext* context) {
+    absl::MutexLock lock(&state_->mu);
+    if (!state_->replica.empty()) context->AddInitialMetadata("attention-replica", state_->replica);
+  }
+
+  // What HangCall, FailCall and EndStreamAtCall chose for a call.
   struct Fate {
     bool hang = false;
     grpc::Status failure;
+    grpc::Status end_stream;
   };
+
+  // Blocks until the call is cancelled (or 30 s have passed).
+  static grpc::Status HangUntilCancelled(const grpc::ServerContext& context) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    while (!context.IsCancelled() && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+    return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+  }
 
   // Counts an Attend call or stream message, drops the sessions at the call
   // DropSessionsAtCall chose, and waits out a stall.
@@ -169,6 +185,12 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
       if (state_->attend_calls == state_->fail_call) {
         fate.failure = grpc::Status(state_->fail_code,
                                     absl::StrCat("injected failure of call ", state_->fail_call));
+      }
+      if (state_->attend_calls >= state_->end_stream_call &&
+          state_->attend_calls < state_->end_stream_call + state_->end_stream_count) {
+        fate.end_stream =
+            grpc::Status(state_->end_stream_code,
+                         absl::StrCat("injected end of the stream at call ", state_->attend_calls));
       }
       if (state_->attend_calls == state_->drop_call) state_->sessions.clear();
       until = state_->stalled_until;
@@ -380,6 +402,16 @@ int64_t FakeAttentionServer::attend_calls() const {
   return state_.attend_calls;
 }
 
+void FakeAttentionServer::set_replica(std::string name) {
+  absl::MutexLock lock(&state_.mu);
+  state_.replica = std::move(name);
+}
+
+int64_t FakeAttentionServer::attend_streams() const {
+  absl::MutexLock lock(&state_.mu);
+  return state_.attend_streams;
+}
+
 size_t FakeAttentionServer::distinct_peers() const {
   absl::MutexLock lock(&state_.mu);
   return state_.peers.size();
@@ -420,6 +452,13 @@ void FakeAttentionServer::FailCall(int64_t call, grpc::StatusCode code) {
   absl::MutexLock lock(&state_.mu);
   state_.fail_call = call;
   state_.fail_code = code;
+}
+
+void FakeAttentionServer::EndStreamAtCall(int64_t call, grpc::StatusCode code, int64_t count) {
+  absl::MutexLock lock(&state_.mu);
+  state_.end_stream_call = call;
+  state_.end_stream_code = code;
+  state_.end_stream_count = count;
 }
 
 void FakeAttentionServer::StallCall(int64_t call, absl::Duration stall) {

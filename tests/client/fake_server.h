@@ -38,7 +38,8 @@ namespace attention::testing {
 // GetSession answer from the same model (GetSession's bytes: position x
 // kv_heads x (head_dim + value_dim) x the cache dtype's size).
 // AttendStream answers each message as Attend would, with its id and status
-// (a "fail" message gets status code 3; "hang" is not special there).
+// (a "fail" message gets status code 3; the id "hang" is not special there,
+// HangCall is: the stream hangs).
 // ListModels and GetModel know one model, "demo": embed_dim 8, 2 heads.
 // Health answers the status set with set_health(); service "missing" gets
 // NOT_FOUND. Thread-safe.
@@ -57,6 +58,9 @@ class FakeAttentionServer {
   std::string address() const { return address_; }
 
   void set_health(grpc::health::v1::HealthCheckResponse::ServingStatus status);
+  // Attend calls and AttendStreams send "attention-replica: NAME" from now on
+  // (none while it is empty, as at the start).
+  void set_replica(std::string name);
   // The "authorization" metadata of the latest call, "" when it had none.
   std::string last_authorization() const;
   // The "attention-affinity" metadata of the latest call, "" when it had none.
@@ -65,6 +69,8 @@ class FakeAttentionServer {
   std::string last_health_service() const;
   // Attend calls and AttendStream messages received so far.
   int64_t attend_calls() const;
+  // AttendStream calls opened so far.
+  int64_t attend_streams() const;
   // How many client addresses (TCP connections) have sent them.
   size_t distinct_peers() const;
   // The call-th of them (1-based) stalls the server for `stall`: it, and every
@@ -75,6 +81,12 @@ class FakeAttentionServer {
   // The call-th of them (1-based) fails with `code` and the message
   // "injected failure of call N", changing nothing.
   void FailCall(int64_t call, grpc::StatusCode code);
+  // The call-th of them (1-based) and the count - 1 after it, when they are
+  // stream messages, are not answered: each one's stream ends with `code` and
+  // the message "injected end of the stream at call N", changing nothing (as
+  // a draining server ends its streams UNAVAILABLE). Unary calls are answered
+  // as usual.
+  void EndStreamAtCall(int64_t call, grpc::StatusCode code, int64_t count = 1);
 
   // Sessions open now.
   int64_t open_sessions() const;
@@ -109,12 +121,17 @@ class FakeAttentionServer {
     std::string authorization ABSL_GUARDED_BY(mu);
     std::string affinity ABSL_GUARDED_BY(mu);
     std::string health_service ABSL_GUARDED_BY(mu);
+    std::string replica ABSL_GUARDED_BY(mu);
     int64_t attend_calls ABSL_GUARDED_BY(mu) = 0;
+    int64_t attend_streams ABSL_GUARDED_BY(mu) = 0;
     std::set<std::string> peers ABSL_GUARDED_BY(mu);
     int64_t stall_call ABSL_GUARDED_BY(mu) = 0;
     int64_t hang_call ABSL_GUARDED_BY(mu) = 0;
     int64_t fail_call ABSL_GUARDED_BY(mu) = 0;
     grpc::StatusCode fail_code ABSL_GUARDED_BY(mu) = grpc::StatusCode::OK;
+    int64_t end_stream_call ABSL_GUARDED_BY(mu) = 0;
+    grpc::StatusCode end_stream_code ABSL_GUARDED_BY(mu) = grpc::StatusCode::OK;
+    int64_t end_stream_count ABSL_GUARDED_BY(mu) = 0;
     absl::Duration stall ABSL_GUARDED_BY(mu);
     absl::Time stalled_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
     std::map<std::string, FakeSession> sessions ABSL_GUARDED_BY(mu);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/attention_client.h"
 #include "client/tensors.h"
 #include "gmock/gmock.h"
@@ -54,13 +55,16 @@ class SessionTest : public ::testing::Test {
     client_ = *std::move(client);
   }
 
-  std::unique_ptr<Session> Open(const std::string& id, bool keep_rows = false) {
+  std::unique_ptr<Session> Open(const std::string& id, bool keep_rows = false, bool stream = false,
+                                AttentionClient* client = nullptr) {
     SessionOptions options;
     options.id = id;
     options.request.set_num_heads(2);
     options.request.mutable_mask()->set_causal(v1::Mask::BOTTOM_RIGHT);
     options.keep_rows = keep_rows;
-    absl::StatusOr<std::unique_ptr<Session>> session = Session::Create(client_.get(), options);
+    options.stream = stream;
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        Session::Create(client != nullptr ? client : client_.get(), options);
     EXPECT_THAT(session, IsOk());
     return session.ok() ? *std::move(session) : nullptr;
   }
@@ -346,6 +350,101 @@ TEST_F(SessionTest, KeptRowsOfAnotherShapeAreRefusedBeforeSending) {
                        HasSubstr("key: FLOAT32 [1, 1, 6] cannot follow the session's kept "
                                  "FLOAT32 rows [1, 2, 4]")));
   EXPECT_EQ(server_.attend_calls(), 1);
+}
+
+// With stream, the steps are messages of one AttendStream carrying the
+// session's affinity, and Close ends it before closing the session.
+TEST_F(SessionTest, AStreamSessionStepsOnOneStream) {
+  server_.set_replica("replica-b");
+  std::unique_ptr<Session> s = Open("decoder-s", /*keep_rows=*/false, /*stream=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0), Rows(2, 4, 100), Rows(2, 4, 200)), IsOk());
+  EXPECT_EQ(s->replica(), "replica-b");
+  EXPECT_EQ(server_.last_affinity(), "decoder-s");
+  ASSERT_THAT(s->Step(Rows(1, 4, 8), Rows(1, 4, 108), Rows(1, 4, 208)), IsOk());
+  EXPECT_THAT(s->Step(Rows(1, 4, 12), Rows(1, 4, 112), Rows(1, 4, 212)), IsOk());
+  EXPECT_EQ(s->position(), 4);
+  EXPECT_EQ(server_.session_keys("decoder-s"),
+            Concat({Rows(2, 4, 100), Rows(1, 4, 108), Rows(1, 4, 112)}));
+  EXPECT_EQ(server_.attend_streams(), 1);
+  EXPECT_EQ(server_.attend_calls(), 3);
+
+  // A server error answers the step and keeps the stream.
+  StepElsewhere("decoder-s", 4);
+  EXPECT_THAT(s->Step(Rows(1, 4, 16)), StatusIs(absl::StatusCode::kAborted, ::testing::_));
+  EXPECT_EQ(s->position(), 4);
+  EXPECT_EQ(server_.attend_streams(), 1);
+
+  ASSERT_THAT(s->Close(), IsOk());
+  EXPECT_EQ(server_.open_sessions(), 0);
+  EXPECT_EQ(server_.closed_sessions(), 1);
+}
+
+// A stream that ends UNAVAILABLE instead of answering (a draining server)
+// had not taken the step: it is sent again, once, on a new stream.
+TEST_F(SessionTest, AStreamEndedUnavailableIsReopenedAndTheStepSentAgain) {
+  std::unique_ptr<Session> s = Open("decoder-r", /*keep_rows=*/false, /*stream=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  server_.EndStreamAtCall(2, grpc::StatusCode::UNAVAILABLE);
+  absl::StatusOr<v1::AttendResponse> answer = s->Step(Rows(1, 4, 8));
+  ASSERT_THAT(answer, IsOk());
+  EXPECT_THAT(answer->session_positions(), ElementsAre(3));
+  EXPECT_EQ(server_.session_keys("decoder-r"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
+  EXPECT_EQ(server_.attend_streams(), 2);
+  EXPECT_EQ(server_.attend_calls(), 3);
+
+  // Other ends are returned, unsent again; the next step opens a stream.
+  server_.EndStreamAtCall(4, grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(s->Step(Rows(1, 4, 12)),
+              StatusIs(absl::StatusCode::kInternal, "injected end of the stream at call 4"));
+  EXPECT_EQ(s->position(), 3);
+  ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
+  EXPECT_EQ(s->position(), 4);
+  EXPECT_EQ(server_.attend_streams(), 3);
+}
+
+// A step is sent at most max_attempts times, as the channel retries a unary
+// call; with 1, an ended stream fails it.
+TEST_F(SessionTest, AStreamStepIsSentAtMostMaxAttemptsTimes) {
+  for (const int max_attempts : {1, 3}) {
+    SCOPED_TRACE(max_attempts);
+    FakeAttentionServer server;
+    ClientOptions options;
+    options.target = server.address();
+    options.max_attempts = max_attempts;
+    absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
+    ASSERT_THAT(client, IsOk());
+    std::unique_ptr<Session> s =
+        Open("decoder-n", /*keep_rows=*/false, /*stream=*/true, client->get());
+    ASSERT_NE(s, nullptr);
+    ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+    server.EndStreamAtCall(2, grpc::StatusCode::UNAVAILABLE, /*count=*/max_attempts);
+    EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+                StatusIs(absl::StatusCode::kUnavailable,
+                         absl::StrCat("injected end of the stream at call ", 1 + max_attempts)));
+    EXPECT_EQ(s->position(), 2);
+    EXPECT_EQ(server.attend_calls(), 1 + max_attempts);
+    ASSERT_THAT(s->Step(Rows(1, 4, 8)), IsOk());
+    EXPECT_EQ(s->position(), 3);
+    // The prefill's stream, which the first attempt ended, a stream for
+    // each later attempt, and the next step's.
+    EXPECT_EQ(server.attend_streams(), 1 + max_attempts);
+  }
+}
+
+TEST_F(SessionTest, KeptRowsRecreateALostSessionOnTheStream) {
+  std::unique_ptr<Session> s = Open("decoder-k", /*keep_rows=*/true, /*stream=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  server_.DropSessions();
+  ASSERT_THAT(s->Step(Rows(1, 4, 8)), IsOk());
+  EXPECT_EQ(s->recreations(), 1);
+  EXPECT_EQ(s->position(), 3);
+  EXPECT_EQ(server_.session_keys("decoder-k"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
+  // Prefill, the step the server did not find, its recreation: one stream.
+  EXPECT_EQ(server_.attend_calls(), 3);
+  EXPECT_EQ(server_.attend_streams(), 1);
 }
 
 }  // namespace
