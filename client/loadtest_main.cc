@@ -62,8 +62,8 @@ ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call; 0 
 ABSL_FLAG(absl::Duration, connect_timeout, absl::Seconds(10),
           "How long each connection may take before the run gives up");
 ABSL_FLAG(bool, stream, false,
-          "Send each call as a message on AttendStream (one stream per connection) instead of "
-          "a unary Attend; latency is per message");
+          "Send each call as a message on AttendStream (one stream per connection; with "
+          "--sessions, one per decoder) instead of a unary Attend; latency is per message");
 
 ABSL_FLAG(int64_t, sessions, 0,
           "Decoders with sessions instead of --concurrency, --rate or --schedule: N decoders, "
@@ -141,7 +141,7 @@ constexpr char kUsage[] = R"(load tests an attention service.
                      [--json FILE] [--html FILE] [--csv FILE] [--histogram_log FILE]
                      [--threshold 'p99<20ms']...
   attention_loadtest --sessions N [--prefill P] [--steps T] [--session_dtype bfloat16]
-                     [--model NAME | shape flags] [--json FILE] [--threshold ...]
+                     [--stream] [--model NAME | shape flags] [--json FILE] [--threshold ...]
   attention_loadtest merge LOG... [--json FILE] [--threshold ...]
   attention_loadtest report RUN.json [RUN2.json...] --html FILE
 

@@ -238,7 +238,6 @@ absl::Status CheckSessionFlags(const LoadtestConfig& config) {
   check(config.duration.has_value(), "--duration");
   check(config.requests != 0, "--requests");
   check(config.warmup != absl::ZeroDuration(), "--warmup");
-  check(config.stream, "--stream");
   check(config.transport == "h2", "--transport h2");
   check(!config.request_file.empty(), "--request");
   check(!config.expected_file.empty(), "--expected");
@@ -310,6 +309,7 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
   options.steps = config.steps;
   options.cache_dtype = cache_dtype;
   options.keep_rows = config.session_keep_rows;
+  options.stream = config.stream;
   if (config.verify) {
     ATTN_ASSIGN_OR_RETURN(AnswerShapes shapes, ExpectedShapes(options.step, model_ptr));
     ATTN_ASSIGN_OR_RETURN(
@@ -321,6 +321,7 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
   run.targets = config.targets;
   run.connections = config.connections;
   run.threads = static_cast<int>(config.sessions);
+  run.stream = config.stream;
   run.transport = "grpc";
   run.schedule =
       absl::StrCat(config.sessions, config.sessions == 1 ? " session" : " sessions", " x (prefill ",

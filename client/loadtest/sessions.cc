@@ -169,6 +169,7 @@ class Decoder {
     session_options.request.clear_value();
     session_options.cache_dtype = options_.cache_dtype;
     session_options.keep_rows = options_.keep_rows;
+    session_options.stream = options_.stream;
     absl::StatusOr<std::unique_ptr<client::Session>> session =
         client::Session::Create(client_, std::move(session_options));
     if (!session.ok()) {

@@ -48,6 +48,9 @@ struct SessionLoadOptions {
   // Keep every row sent, and recreate a session the server lost from them
   // (Session's keep_rows); without, a lost session ends its decoder.
   bool keep_rows = true;
+  // Each decoder sends its calls on an AttendStream of its own (Session's
+  // stream) instead of unary Attends.
+  bool stream = false;
   // Session ids are this and the decoder's number; unique per run by default.
   std::string id_prefix;
   // Checks every OK step answer when set.

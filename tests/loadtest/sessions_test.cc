@@ -90,6 +90,21 @@ TEST_F(SessionLoadTest, DecodersPrefillStepAndCloseTheirSessions) {
   EXPECT_EQ(server_.closed_sessions(), 3);
 }
 
+TEST_F(SessionLoadTest, StreamDecodersSendTheirCallsOnAStreamEach) {
+  SessionLoadOptions options = Options(3, 4, 5);
+  options.stream = true;
+  absl::StatusOr<SessionRunResult> result = RunSessions(options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->sessions.opened, 3);
+  EXPECT_EQ(result->sessions.steps, 15);
+  EXPECT_EQ(result->sessions.closed, 3);
+  EXPECT_EQ(result->stats.errors(), 0) << result->stats.first_error;
+  EXPECT_EQ(result->sessions.cache_bytes_read, 3 * kRowBytes * RowsRead(4, 5));
+  EXPECT_EQ(server_.attend_streams(), 3);
+  EXPECT_EQ(server_.attend_calls(), 18);
+  EXPECT_EQ(server_.open_sessions(), 0);
+}
+
 TEST_F(SessionLoadTest, ALostSessionIsRecreatedFromTheKeptRows) {
   // Call 1 is the prefill, 2 the first step, 3 the second, which finds its
   // session gone; its recreation is call 4.
@@ -213,6 +228,27 @@ TEST_F(SessionLoadtestTest, ReportsStepsPrefillAndCacheBytesRead) {
   EXPECT_DOUBLE_EQ(sessions["cache_bytes_read_per_s"], bytes / seconds);
 }
 
+TEST_F(SessionLoadtestTest, StreamRunsSayWhichApiTheyUsed) {
+  LoadtestConfig config = Config();
+  config.json_file = MakeTempDir("sessions_stream") + "/out.json";
+  std::ostringstream out, err;
+  ASSERT_EQ(RunLoadtest(config, out, err), kExitOk) << err.str() << out.str();
+  EXPECT_THAT(out.str(), HasSubstr("one-row steps), unary Attend\n"));
+  EXPECT_EQ(server_.attend_streams(), 0);
+
+  config.stream = true;
+  std::ostringstream out2, err2;
+  ASSERT_EQ(RunLoadtest(config, out2, err2), kExitOk) << err2.str() << out2.str();
+  EXPECT_THAT(out2.str(),
+              AllOf(HasSubstr("one-row steps), AttendStream\n"), HasSubstr("8 of 8 answered in")));
+  const nlohmann::json json =
+      nlohmann::json::parse(ReadWholeFile(config.json_file), nullptr, false);
+  ASSERT_FALSE(json.is_discarded());
+  EXPECT_EQ(json["run"]["api"], "stream");
+  EXPECT_EQ(json["sessions"]["steps"], 8);
+  EXPECT_EQ(server_.attend_streams(), 2);
+}
+
 TEST_F(SessionLoadtestTest, AModelsCacheRowIsItsEmbedDimForKeysAndValues) {
   LoadtestConfig config = Config();
   config.shape.model = "demo";
@@ -251,11 +287,11 @@ TEST_F(SessionLoadtestTest, FlagsOfOtherLoadsAreRefused) {
   LoadtestConfig config = Config();
   config.rate = 10;
   config.shape.batch = 2;
-  config.stream = true;
+  config.transport = "h2";
   std::ostringstream out, err;
   EXPECT_EQ(RunLoadtest(config, out, err), kExitSetup);
   EXPECT_THAT(err.str(), HasSubstr("error: --sessions runs decoders of --prefill and --steps "
-                                   "calls; it does not take --rate, --stream, --batch\n"));
+                                   "calls; it does not take --rate, --transport h2, --batch\n"));
 
   for (const auto& [change, message] :
        std::vector<std::pair<std::function<void(LoadtestConfig&)>, std::string>>{
