@@ -14,7 +14,8 @@
 //      kept rows, and every step's output equals the run without the
 //      failure; sessions on the other replicas are never recreated or moved.
 //   4. A replica stopped with SIGTERM (scale-in) mid-run: the same, and the
-//      replica exits 0 after its drain. (A step that reaches it as gRPC shuts
+//      replica exits 0 after its drain; again with each decoder's steps on
+//      an AttendStream of its own. (A step that reaches it as gRPC shuts
 //      down is CANCELLED, rarely: sent again, as UNAVAILABLE is.)
 
 #include <arpa/inet.h>
@@ -322,9 +323,10 @@ class SessionProxyTest : public ::testing::Test {
   static std::string Id(int s) { return absl::StrCat("decoder-", s); }
 
   // Runs kSessions decoders through the proxy: a prefill, then kSteps
-  // one-row steps in rounds; `during` runs once half of the steps are
-  // answered, while the others are in flight. Closes the sessions.
-  std::vector<Decoder> Run(const std::function<void()>& during = nullptr) {
+  // one-row steps in rounds (with `stream`, each decoder's on an AttendStream
+  // of its own); `during` runs once half of the steps are answered, while
+  // the others are in flight. Closes the sessions.
+  std::vector<Decoder> Run(const std::function<void()>& during = nullptr, bool stream = false) {
     std::vector<Decoder> decoders(kSessions);
     for (int s = 0; s < kSessions; ++s) {
       client::SessionOptions options;
@@ -332,6 +334,7 @@ class SessionProxyTest : public ::testing::Test {
       options.request.set_num_heads(kHeads);
       options.request.mutable_mask()->set_causal(v1::Mask::BOTTOM_RIGHT);
       options.keep_rows = true;
+      options.stream = stream;
       decoders[s].session = *client::Session::Create(client_.get(), std::move(options));
     }
     std::atomic<int> answered{0};
@@ -416,12 +419,13 @@ class SessionProxyTest : public ::testing::Test {
   // A run with `stop` applied to the replica holding the most sessions
   // mid-run: its sessions move and are recreated once each, the others never
   // notice, and the outputs equal `clean`'s.
-  void ExpectRecovery(const std::vector<Decoder>& clean, const std::function<void(Replica&)>& stop) {
+  void ExpectRecovery(const std::vector<Decoder>& clean, const std::function<void(Replica&)>& stop,
+                      bool stream = false) {
     std::vector<int> created(kReplicas);
     for (int home : Homes(clean)) ++created[home];
     const int victim =
         static_cast<int>(std::max_element(created.begin(), created.end()) - created.begin());
-    const std::vector<Decoder> run = Run([&] { stop(replicas_[victim]); });
+    const std::vector<Decoder> run = Run([&] { stop(replicas_[victim]); }, stream);
     ASSERT_FALSE(HasFailure());
     int recreated = 0, retries = 0, cancelled = 0;
     for (int s = 0; s < kSessions; ++s) {
@@ -447,6 +451,26 @@ class SessionProxyTest : public ::testing::Test {
                 "%d step retries after UNAVAILABLE, %d after CANCELLED\n",
                 replicas_[victim].name.c_str(), recreated, created[victim], retries, cancelled);
     ExpectSameOutputs(run, clean);
+  }
+
+  // A clean run, then one with the replica holding the most sessions
+  // stopped with SIGTERM mid-run (ExpectRecovery); it exits 0 after its drain.
+  void ExpectScaleIn(bool stream) {
+    const std::vector<Decoder> clean = Run(nullptr, stream);
+    ASSERT_FALSE(HasFailure());
+    std::optional<absl::StatusOr<int>> exit_code;
+    std::thread stopper;
+    ExpectRecovery(
+        clean,
+        [&](Replica& r) {
+          // SIGTERM while calls are in flight; the drain runs meanwhile.
+          stopper = std::thread([&] { exit_code = r.process.Terminate(absl::Seconds(30)); });
+        },
+        stream);
+    stopper.join();
+    ASSERT_TRUE(exit_code.has_value());
+    ASSERT_TRUE(exit_code->ok()) << exit_code->status();
+    EXPECT_EQ(**exit_code, 0);
   }
 
   static std::string* dir_;
@@ -540,19 +564,13 @@ TEST_F(SessionProxyTest, SessionsOfAKilledReplicaAreRecreatedAndAnswerAsBefore) 
   ExpectRecovery(clean, [](Replica& r) { r.process.Kill(); });
 }
 
-TEST_F(SessionProxyTest, ScaleInDrainsAReplicaAndItsSessionsMoveOn) {
-  const std::vector<Decoder> clean = Run();
-  ASSERT_FALSE(HasFailure());
-  std::optional<absl::StatusOr<int>> exit_code;
-  std::thread stopper;
-  ExpectRecovery(clean, [&](Replica& r) {
-    // SIGTERM while calls are in flight; the drain runs meanwhile.
-    stopper = std::thread([&] { exit_code = r.process.Terminate(absl::Seconds(30)); });
-  });
-  stopper.join();
-  ASSERT_TRUE(exit_code.has_value());
-  ASSERT_TRUE(exit_code->ok()) << exit_code->status();
-  EXPECT_EQ(**exit_code, 0);
+TEST_F(SessionProxyTest, ScaleInDrainsAReplicaAndItsSessionsMoveOn) { ExpectScaleIn(false); }
+
+// The same with each decoder's steps on a stream of its own, which the
+// draining replica ends UNAVAILABLE once it has answered what it took: the
+// client sends the unanswered step again on a new stream.
+TEST_F(SessionProxyTest, ScaleInEndsTheStreamsOfADrainingReplicaAndTheirSessionsMoveOn) {
+  ExpectScaleIn(true);
 }
 
 }  // namespace
