@@ -68,41 +68,34 @@ TEST(CacheRowBytesTest, IsHeadsTimesKeyAndValueDimsTimesElementSize) {
   EXPECT_EQ(CacheRowBytes(8, 128, 64, v1::Tensor::BFLOAT16), 8 * 192 * 2);
 }
 
+// Unary, then with each decoder's calls on a stream of its own.
 TEST_F(SessionLoadTest, DecodersPrefillStepAndCloseTheirSessions) {
-  absl::StatusOr<SessionRunResult> result = RunSessions(Options(3, 4, 5));
-  ASSERT_TRUE(result.ok()) << result.status();
-  const SessionStats& sessions = result->sessions;
-  EXPECT_EQ(sessions.opened, 3);
-  EXPECT_EQ(sessions.closed, 3);
-  EXPECT_EQ(sessions.steps, 15);
-  EXPECT_EQ(sessions.recreations, 0);
-  EXPECT_EQ(sessions.prefill.count(), 3);
-  EXPECT_EQ(sessions.cache_bytes_read, 3 * kRowBytes * RowsRead(4, 5));
-  const LoadStats& stats = result->stats;
-  EXPECT_EQ(stats.sent, 15);
-  EXPECT_EQ(stats.requests(), 15);
-  EXPECT_EQ(stats.errors(), 0);
-  EXPECT_EQ(stats.latency.count(), 15);
-  EXPECT_EQ(stats.server_compute.count(), 15);
-  // Each decoder: a prefill and five steps.
-  EXPECT_EQ(server_.attend_calls(), 18);
-  EXPECT_EQ(server_.open_sessions(), 0);
-  EXPECT_EQ(server_.closed_sessions(), 3);
-}
-
-TEST_F(SessionLoadTest, StreamDecodersSendTheirCallsOnAStreamEach) {
-  SessionLoadOptions options = Options(3, 4, 5);
-  options.stream = true;
-  absl::StatusOr<SessionRunResult> result = RunSessions(options);
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(result->sessions.opened, 3);
-  EXPECT_EQ(result->sessions.steps, 15);
-  EXPECT_EQ(result->sessions.closed, 3);
-  EXPECT_EQ(result->stats.errors(), 0) << result->stats.first_error;
-  EXPECT_EQ(result->sessions.cache_bytes_read, 3 * kRowBytes * RowsRead(4, 5));
-  EXPECT_EQ(server_.attend_streams(), 3);
-  EXPECT_EQ(server_.attend_calls(), 18);
-  EXPECT_EQ(server_.open_sessions(), 0);
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "stream" : "unary");
+    const int64_t calls_before = server_.attend_calls();
+    SessionLoadOptions options = Options(3, 4, 5);
+    options.stream = stream;
+    absl::StatusOr<SessionRunResult> result = RunSessions(options);
+    ASSERT_TRUE(result.ok()) << result.status();
+    const SessionStats& sessions = result->sessions;
+    EXPECT_EQ(sessions.opened, 3);
+    EXPECT_EQ(sessions.closed, 3);
+    EXPECT_EQ(sessions.steps, 15);
+    EXPECT_EQ(sessions.recreations, 0);
+    EXPECT_EQ(sessions.prefill.count(), 3);
+    EXPECT_EQ(sessions.cache_bytes_read, 3 * kRowBytes * RowsRead(4, 5));
+    const LoadStats& stats = result->stats;
+    EXPECT_EQ(stats.sent, 15);
+    EXPECT_EQ(stats.requests(), 15);
+    EXPECT_EQ(stats.errors(), 0) << stats.first_error;
+    EXPECT_EQ(stats.latency.count(), 15);
+    EXPECT_EQ(stats.server_compute.count(), 15);
+    // Each decoder: a prefill and five steps.
+    EXPECT_EQ(server_.attend_calls() - calls_before, 18);
+    EXPECT_EQ(server_.attend_streams(), stream ? 3 : 0);
+    EXPECT_EQ(server_.open_sessions(), 0);
+    EXPECT_EQ(server_.closed_sessions(), stream ? 6 : 3);
+  }
 }
 
 TEST_F(SessionLoadTest, ALostSessionIsRecreatedFromTheKeptRows) {
