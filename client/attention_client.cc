@@ -304,12 +304,17 @@ absl::StatusOr<v1::AttendResponse> AttendStream::Call(const v1::AttendRequest& r
         absl::StrCat("the AttendStream has ended: ", s.ended.ToString()));
   }
   const std::optional<std::chrono::system_clock::time_point> deadline = s.Deadline();
-  const auto timed_out = [&s] {
-    return s.End(/*cancel=*/true, absl::DeadlineExceededError(
-                                      absl::StrCat("no answer on the AttendStream within ",
-                                                   absl::FormatDuration(s.options.timeout))));
+  const auto timed_out = [&s](absl::string_view what, absl::string_view why = "") {
+    return s.End(/*cancel=*/true,
+                 absl::DeadlineExceededError(
+                     absl::StrCat(what, " within ", absl::FormatDuration(s.options.timeout), why)));
   };
-  if (!s.done[kStart] && !s.Await({kStart}, deadline)) return timed_out();
+  if (!s.done[kStart] && !s.Await({kStart}, deadline)) {
+    // Held back by the connection's limit on open streams, or connecting.
+    return timed_out("the AttendStream did not start",
+                     " (its connection may have no stream to spare: the server's "
+                     "--max_concurrent_streams, a proxy's limit)");
+  }
   if (!s.succeeded[kStart]) {
     return s.End(/*cancel=*/false, std::nullopt, "the AttendStream did not start");
   }
@@ -318,7 +323,7 @@ absl::StatusOr<v1::AttendResponse> AttendStream::Call(const v1::AttendRequest& r
   s.stream->Write(request, Impl::Tag(kWrite));
   s.Begin(kRead);
   s.stream->Read(&response, Impl::Tag(kRead));
-  if (!s.Await({kWrite, kRead}, deadline)) return timed_out();
+  if (!s.Await({kWrite, kRead}, deadline)) return timed_out("no answer on the AttendStream");
   if (!s.succeeded[kWrite] || !s.succeeded[kRead]) {
     return s.End(/*cancel=*/!s.succeeded[kWrite] && s.succeeded[kRead], std::nullopt,
                  "the server ended the AttendStream without answering");

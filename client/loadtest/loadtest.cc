@@ -301,6 +301,14 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
   }
   options.targets = config.targets;
   options.connections = config.connections;
+  if (config.stream && !config.targets.empty()) {
+    // Each decoder holds its stream open for its whole run, and a connection
+    // carries only so many: more decoders than that get more connections.
+    const int64_t targets = static_cast<int64_t>(config.targets.size());
+    const int64_t per_target = (config.sessions + targets - 1) / targets;
+    options.connections = static_cast<int>(std::max<int64_t>(
+        config.connections, (per_target + kStreamsPerConnection - 1) / kStreamsPerConnection));
+  }
   options.client = config.client;
   options.client.timeout = config.timeout;
   options.connect_timeout = config.connect_timeout;
@@ -319,7 +327,7 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
 
   RunDescription& run = prepared->description;
   run.targets = config.targets;
-  run.connections = config.connections;
+  run.connections = options.connections;
   run.threads = static_cast<int>(config.sessions);
   run.stream = config.stream;
   run.transport = "grpc";

@@ -23,6 +23,12 @@ namespace attention::loadtest {
 // Most decoders a run may have: one thread each.
 inline constexpr int64_t kMaxSessions = 4096;
 
+// --stream: most decoders' streams one connection carries. HAProxy's default
+// limit of concurrent streams on a connection (tune.h2.max-concurrent-streams)
+// is 100, below the server's --max_concurrent_streams (256); a decoder past a
+// connection's limit would wait for a stream until its timeout.
+inline constexpr int64_t kStreamsPerConnection = 100;
+
 struct SessionLoadOptions {
   // Decoders go round-robin over the targets, and over `connections`
   // channels (TCP connections) to each.

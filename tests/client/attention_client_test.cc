@@ -256,6 +256,29 @@ TEST_F(AttentionClientTest, AStreamTheServerEndsReturnsItsStatus) {
   EXPECT_EQ(server_.attend_streams(), 2);
 }
 
+// A stream its connection has no room for waits to start, within the
+// timeout, and says so.
+TEST(AttentionClientStreamLimitTest, AStreamThatCannotStartSaysWhy) {
+  FakeAttentionServer server(absl::ZeroDuration(), /*max_concurrent_streams=*/1);
+  ClientOptions options;
+  options.target = server.address();
+  options.timeout = absl::Milliseconds(300);
+  absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
+  ASSERT_THAT(client, IsOk());
+  std::unique_ptr<AttendStream> first = (*client)->OpenStream();
+  ASSERT_THAT(first->Call(StreamRequest("r1", 0)), IsOk());
+  std::unique_ptr<AttendStream> second = (*client)->OpenStream();
+  EXPECT_THAT(second->Call(StreamRequest("r2", 0)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("the AttendStream did not start within 300ms (its connection "
+                                 "may have no stream to spare")));
+  EXPECT_FALSE(second->open());
+  // Once the first ends, a stream starts.
+  EXPECT_THAT(first->Close(), IsOk());
+  std::unique_ptr<AttendStream> third = (*client)->OpenStream();
+  EXPECT_THAT(third->Call(StreamRequest("r3", 0)), IsOk());
+}
+
 TEST(AttentionClientUnreachableTest, UnusedPortIsUnavailable) {
   std::string target;
   {

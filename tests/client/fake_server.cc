@@ -350,7 +350,8 @@ class FakeAttentionServer::HealthImpl final : public grpc::health::v1::Health::S
   State* state_;
 };
 
-FakeAttentionServer::FakeAttentionServer(absl::Duration max_connection_age)
+FakeAttentionServer::FakeAttentionServer(absl::Duration max_connection_age,
+                                         int max_concurrent_streams)
     : attention_(std::make_unique<AttentionImpl>(&state_)),
       health_(std::make_unique<HealthImpl>(&state_)) {
   int port = 0;
@@ -360,6 +361,9 @@ FakeAttentionServer::FakeAttentionServer(absl::Duration max_connection_age)
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
                                static_cast<int>(absl::ToInt64Milliseconds(max_connection_age)));
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, 30'000);
+  }
+  if (max_concurrent_streams > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
   }
   builder.RegisterService(attention_.get());
   builder.RegisterService(health_.get());

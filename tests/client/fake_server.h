@@ -48,7 +48,10 @@ class FakeAttentionServer {
   // Starts serving; fails the current test if it cannot. With
   // max_connection_age, connections older than that are sent GOAWAY (their
   // calls get 30 s more), as the real server's --max_connection_age_seconds.
-  explicit FakeAttentionServer(absl::Duration max_connection_age = absl::ZeroDuration());
+  // With max_concurrent_streams, a connection carries at most that many calls
+  // at once, as the real server's --max_concurrent_streams.
+  explicit FakeAttentionServer(absl::Duration max_connection_age = absl::ZeroDuration(),
+                               int max_concurrent_streams = 0);
   ~FakeAttentionServer();
 
   FakeAttentionServer(const FakeAttentionServer&) = delete;

@@ -242,6 +242,21 @@ TEST_F(SessionLoadtestTest, StreamRunsSayWhichApiTheyUsed) {
   EXPECT_EQ(server_.attend_streams(), 2);
 }
 
+// Every decoder holds its stream open, so at most kStreamsPerConnection
+// share a connection: 201 decoders get 3.
+TEST_F(SessionLoadtestTest, StreamDecodersOpenAConnectionPerHundred) {
+  LoadtestConfig config = Config();
+  config.sessions = 2 * kStreamsPerConnection + 1;
+  config.steps = 1;
+  config.stream = true;
+  std::ostringstream out, err;
+  ASSERT_EQ(RunLoadtest(config, out, err), kExitOk) << err.str() << out.str();
+  EXPECT_THAT(out.str(), AllOf(HasSubstr(" x 3 connections, 201 threads"),
+                               HasSubstr("201 of 201 answered in")));
+  EXPECT_EQ(server_.attend_streams(), 201);
+  EXPECT_EQ(server_.distinct_peers(), 3u);
+}
+
 TEST_F(SessionLoadtestTest, AModelsCacheRowIsItsEmbedDimForKeysAndValues) {
   LoadtestConfig config = Config();
   config.shape.model = "demo";
