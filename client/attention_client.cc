@@ -130,6 +130,15 @@ void PrepareContext(const ClientOptions& options, grpc::ClientContext* context) 
   AddToken(options, context);
 }
 
+// The replica that answered a call (its "attention-replica" initial
+// metadata), empty if it named none. Only once the initial metadata has
+// arrived: after an answer, or once the call is over.
+std::string ReplicaOf(const grpc::ClientContext& context) {
+  const auto& metadata = context.GetServerInitialMetadata();
+  auto it = metadata.find(kReplicaHeader);
+  return it == metadata.end() ? std::string() : std::string(it->second.data(), it->second.size());
+}
+
 // Runs one unary call of `method` on `stub` with the options' deadline and
 // token, sending `affinity` (when not empty) and reporting the replica.
 template <typename Response, typename Stub, typename Method, typename Request>
@@ -141,15 +150,7 @@ absl::StatusOr<Response> Call(const ClientOptions& options, Stub& stub, Method m
   if (!affinity.empty()) context.AddMetadata(kAffinityHeader, affinity);
   Response response;
   grpc::Status status = (stub.*method)(&context, request, &response);
-  if (call.replica != nullptr) {
-    call.replica->clear();
-    // Initial metadata has arrived once the call is over, unless it failed
-    // before any answer (then there is none).
-    const auto& metadata = context.GetServerInitialMetadata();
-    if (auto it = metadata.find(kReplicaHeader); it != metadata.end()) {
-      call.replica->assign(it->second.data(), it->second.size());
-    }
-  }
+  if (call.replica != nullptr) *call.replica = ReplicaOf(context);
   if (!status.ok()) return ToAbslStatus(status);
   return response;
 }
@@ -194,45 +195,37 @@ struct AttendStream::Impl {
     ++pending;
   }
 
-  void Completed(void* tag, bool ok) {
+  // Waits for the next operation to complete and records it; false when
+  // `deadline` (if any) passed first.
+  bool WaitOne(std::optional<std::chrono::system_clock::time_point> deadline) {
+    void* tag;
+    bool ok;
+    const bool got = deadline.has_value()
+                         ? queue.AsyncNext(&tag, &ok, *deadline) == grpc::CompletionQueue::GOT_EVENT
+                         : queue.Next(&tag, &ok);
+    if (!got) return false;
     const int op = static_cast<int>(reinterpret_cast<intptr_t>(tag) - 1);
     done[op] = true;
     succeeded[op] = ok;
     --pending;
+    return true;
   }
 
   // Waits until every op of `ops` has completed; false when `deadline`
   // (if any) passed first.
   bool Await(std::initializer_list<StreamOp> ops,
              std::optional<std::chrono::system_clock::time_point> deadline) {
-    auto all_done = [&] {
-      for (StreamOp op : ops) {
-        if (!done[op]) return false;
+    for (StreamOp op : ops) {
+      while (!done[op]) {
+        if (!WaitOne(deadline)) return false;
       }
-      return true;
-    };
-    while (!all_done()) {
-      void* tag;
-      bool ok;
-      if (deadline.has_value()) {
-        if (queue.AsyncNext(&tag, &ok, *deadline) != grpc::CompletionQueue::GOT_EVENT) {
-          return false;
-        }
-      } else if (!queue.Next(&tag, &ok)) {
-        return false;
-      }
-      Completed(tag, ok);
     }
     return true;
   }
 
   // Waits out every operation started; after a cancel they all complete.
   void Drain() {
-    while (pending > 0) {
-      void* tag;
-      bool ok;
-      if (!queue.Next(&tag, &ok)) return;
-      Completed(tag, ok);
+    while (pending > 0 && WaitOne(std::nullopt)) {
     }
   }
 
@@ -256,7 +249,7 @@ struct AttendStream::Impl {
       context.TryCancel();
       Drain();
     }
-    ReadReplica();
+    replica = ReplicaOf(context);
     open = false;
     if (why.has_value()) {
       ended = *std::move(why);
@@ -268,13 +261,6 @@ struct AttendStream::Impl {
     return ended;
   }
 
-  void ReadReplica() {
-    const auto& metadata = context.GetServerInitialMetadata();
-    if (auto it = metadata.find(kReplicaHeader); it != metadata.end()) {
-      replica.assign(it->second.data(), it->second.size());
-    }
-  }
-
   const ClientOptions options;
   grpc::ClientContext context;
   grpc::CompletionQueue queue;
@@ -283,7 +269,6 @@ struct AttendStream::Impl {
   bool succeeded[kStreamOps] = {};
   int pending = 0;
   bool open = true;
-  bool answered = false;
   // Why the stream ended, once it has.
   absl::Status ended;
   std::string replica;
@@ -325,13 +310,12 @@ absl::StatusOr<v1::AttendResponse> AttendStream::Call(const v1::AttendRequest& r
   s.stream->Read(&response, Impl::Tag(kRead));
   if (!s.Await({kWrite, kRead}, deadline)) return timed_out("no answer on the AttendStream");
   if (!s.succeeded[kWrite] || !s.succeeded[kRead]) {
-    return s.End(/*cancel=*/!s.succeeded[kWrite] && s.succeeded[kRead], std::nullopt,
+    // A failed read means the call is over: cancelling it then would turn the
+    // server's status into CANCELLED.
+    return s.End(/*cancel=*/s.succeeded[kRead], std::nullopt,
                  "the server ended the AttendStream without answering");
   }
-  if (!s.answered) {
-    s.answered = true;
-    s.ReadReplica();
-  }
+  s.replica = ReplicaOf(s.context);
   if (response.status().code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(response.status().code()),
                         response.status().message());

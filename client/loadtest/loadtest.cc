@@ -301,7 +301,7 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
   }
   options.targets = config.targets;
   options.connections = config.connections;
-  if (config.stream && !config.targets.empty()) {
+  if (config.stream) {
     // Each decoder holds its stream open for its whole run, and a connection
     // carries only so many: more decoders than that get more connections.
     const int64_t targets = static_cast<int64_t>(config.targets.size());
