@@ -2,7 +2,7 @@
 import grpc
 
 from attention_client import _channel, _request, _session, _wire
-from attention_client._errors import from_rpc_error
+from attention_client._errors import from_rpc_error, invalid
 from attention_client._proto.attention.v1 import model_pb2, service_pb2, service_pb2_grpc
 
 
@@ -81,14 +81,20 @@ class Client:
             call.cancel()
 
     def session(self, id=None, *, keep_rows=False, cache_dtype="float32", affinity=None,
-                **fields):
+                stream=False, **fields):
         """A Session: keys and values kept on the server between steps.
         `id` (default: a random one) must not be open on the server; `fields`
         are what every step sends besides its rows (model or num_heads and
         score, causal="bottom_right", layout, ...); cache_dtype "float32" or
         "bfloat16"; keep_rows keeps every row sent, to recreate the session
         when the server answers NOT_FOUND. Every call of the session carries
-        "attention-affinity": `affinity` (a group id of the caller's), or the id."""
+        "attention-affinity": `affinity` (a group id of the caller's), or the id.
+        stream=True is attention_client.aio's: here steps are unary calls."""
+        if stream:
+            raise invalid("stream=True: the blocking client's session steps are unary Attend "
+                          "calls (a blocking grpcio stream cannot bound one answer's wait, and "
+                          "its steps were no faster); attention_client.aio's sessions step on "
+                          "a stream")
         return Session(self, _session.SessionCore(id, keep_rows, cache_dtype, fields, affinity))
 
     def server_info(self, *, timeout=...):

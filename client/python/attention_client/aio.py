@@ -4,12 +4,15 @@
         answer = await client.attend(q, k, v, num_heads=4)
         async for answer in client.attend_stream(requests):
             ...
-        session = client.session(model="demo", causal="bottom_right")
+        session = client.session(model="demo", causal="bottom_right", stream=True)
         await session.step(prompt)
 
 One Client per event loop (grpc.aio channels belong to the loop they were
 made on). Arguments, answers and errors are those of attention_client.Client.
 """
+import asyncio
+import random
+
 import grpc
 
 from attention_client import _channel, _request, _session, _wire
@@ -85,9 +88,12 @@ class Client:
             call.cancel()
 
     def session(self, id=None, *, keep_rows=False, cache_dtype="float32", affinity=None,
-                **fields):
-        """As attention_client.Client.session; its step() and close() are coroutines."""
-        return Session(self, _session.SessionCore(id, keep_rows, cache_dtype, fields, affinity))
+                stream=False, **fields):
+        """As attention_client.Client.session; its step() and close() are
+        coroutines. stream=True sends the steps on one AttendStream (_StepStream)
+        instead of a unary Attend each."""
+        core = _session.SessionCore(id, keep_rows, cache_dtype, fields, affinity)
+        return Session(self, core, _StepStream(self, core.affinity) if stream else None)
 
     async def server_info(self, *, timeout=...):
         return await self._call(self._stub.GetServerInfo, service_pb2.GetServerInfoRequest(),
@@ -116,31 +122,139 @@ class Client:
                                 affinity or (ids[0] if ids else None))
 
 
+# Attempts of a step whose stream ends UNAVAILABLE unanswered, and the most
+# of the random waits between them (0.1 s, doubling up to 1 s): the channel's
+# retry policy for unary calls (_channel.py).
+_STREAM_ATTEMPTS = 4
+_STREAM_FIRST_BACKOFF, _STREAM_MAX_BACKOFF = 0.1, 1.0
+
+
+class _StepStream:
+    """A session's AttendStream (session(stream=True)): a step is one message
+    and its answer, the pair bounded by the step's timeout; the stream itself
+    has no deadline. It opens at the first step, and again after one ends. A
+    step whose stream ends UNAVAILABLE (the server ended it OK without
+    answering, as a draining replica does, or the connection failed) is sent
+    again on a new stream, up to 4 attempts 0.1 s to 1 s apart, as the channel
+    retries a unary step: safe, since a session request whose position has
+    passed is ABORTED, never appended twice. A step past its timeout cancels
+    the stream (a late answer would answer the next step)."""
+
+    def __init__(self, client, affinity):
+        self._client = client
+        self._metadata = client._settings.call_metadata(affinity)
+        self._call = None
+        self.opened = 0  # streams opened so far
+
+    async def send(self, request, timeout):
+        """The answer's bytes to `request`; AttentionError when the stream fails."""
+        backoff = _STREAM_FIRST_BACKOFF
+        for attempt in range(1, _STREAM_ATTEMPTS + 1):
+            try:
+                return await self._exchange(request, timeout)
+            except AttentionError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _STREAM_ATTEMPTS:
+                    raise
+            await asyncio.sleep(random.uniform(0, backoff))
+            backoff = min(2 * backoff, _STREAM_MAX_BACKOFF)
+
+    async def _exchange(self, request, timeout):
+        if self._call is None:
+            self._call = self._client._attend_stream(metadata=self._metadata)
+            self.opened += 1
+        call = self._call
+
+        async def write_and_read():
+            await call.write(request)
+            return await call.read()
+
+        try:
+            answer = await asyncio.wait_for(write_and_read(), timeout)
+        except asyncio.TimeoutError:
+            self.cancel()
+            raise AttentionError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no answer on the session's AttendStream within {timeout} s (the stream is "
+                "cancelled; the next step opens another)") from None
+        except grpc.RpcError as e:
+            self.cancel()
+            raise from_rpc_error(e) from None
+        except asyncio.CancelledError:  # the caller's task: the answer may still come
+            self.cancel()
+            raise
+        except asyncio.InvalidStateError:  # written after the stream ended
+            answer = grpc.aio.EOF
+        if answer is grpc.aio.EOF:
+            self.cancel()
+            code = await call.code()
+            if code == grpc.StatusCode.OK:
+                raise AttentionError(grpc.StatusCode.UNAVAILABLE,
+                                     "the server ended the AttendStream without answering")
+            raise AttentionError(code, await call.details() or "")
+        return answer
+
+    async def close(self, timeout):
+        """Half-closes the stream and waits (up to `timeout`) for the server to end it."""
+        call, self._call = self._call, None
+        if call is None:
+            return
+        try:
+            await asyncio.wait_for(call.done_writing(), timeout)
+            await asyncio.wait_for(call.code(), timeout)
+        except (asyncio.TimeoutError, grpc.RpcError, asyncio.InvalidStateError):
+            pass
+        finally:
+            call.cancel()
+
+    def cancel(self):
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
 class Session(_session.SessionBase):
-    """As attention_client.Session, with coroutines step() and close()."""
+    """As attention_client.Session, with coroutines step() and close(); with
+    stream=True its steps share one AttendStream (_StepStream)."""
+
+    def __init__(self, client, core, stream=None):
+        super().__init__(client, core)
+        self._stream = stream
+
+    @property
+    def streams_opened(self):
+        """AttendStreams the session has opened (0 without stream=True)."""
+        return 0 if self._stream is None else self._stream.opened
+
+    async def _send(self, request, kind, timeout):
+        if self._stream is None:
+            return _wire.decode(await self._client._call(self._client._attend, request, timeout,
+                                                         self._core.affinity), kind)
+        answer = _wire.decode(
+            await self._stream.send(request, self._client._settings.call_timeout(timeout)), kind)
+        if answer.error is not None:
+            raise answer.error
+        return answer
 
     async def step(self, query, key=None, value=None, *, timeout=...):
         core = self._core
         step = core.prepare(query, key, value)
         try:
-            raw = await self._client._call(self._client._attend, core.request(step), timeout,
-                                     core.affinity)
+            answer = await self._send(core.request(step), step[3], timeout)
         except grpc.RpcError as e:
             if not core.may_recreate(e):
                 raise
             request, base = core.recreation(step)
-            answer = _wire.decode(await self._client._call(self._client._attend, request, timeout,
-                                                      core.affinity),
-                                  step[3])
+            answer = await self._send(request, step[3], timeout)
             core.advance(step, base, answer, recreated=True)
             return answer
-        answer = _wire.decode(raw, step[3])
         core.advance(step, core.position, answer)
         return answer
 
     async def close(self, *, timeout=...):
         if self._core.closed:
             return
+        if self._stream is not None:
+            await self._stream.close(self._client._settings.call_timeout(timeout))
         if self._core.created:
             await self._client.close_sessions([self.id], timeout=timeout,
                                               affinity=self._core.affinity)

@@ -288,7 +288,9 @@ class SessionTest(unittest.TestCase):
     def test_bad_session_arguments(self):
         for kwargs, text in [({"id": "x" * 129}, "want 1 to 128"),
                              ({"cache_dtype": "float16"}, "cache_dtype"),
-                             ({"query": randn(25, 1, 1, 4)}, "set by step()")]:
+                             ({"query": randn(25, 1, 1, 4)}, "set by step()"),
+                             ({"stream": True}, "attention_client.aio's sessions step on a "
+                                                "stream")]:
             with self.subTest(text=text), self.assertRaises(AttentionError) as e:
                 client.session(**kwargs)
             self.assertIn(text, e.exception.details())
