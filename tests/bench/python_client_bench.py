@@ -22,11 +22,17 @@
    minor page faults per call, with glibc's malloc defaults (the client
    raises its thresholds once) and with GLIBC_TUNABLES setting them instead
    (docs/python.md, "Performance").
+4. Sessions: decode steps/s of one session (one row of 64, one head, after
+   128 rows): blocking Session.step, the same requests on one blocking
+   stream, and attention_client.aio's unary and stream=True steps, in
+   alternating rounds, each round a new session.
 
     .venv/bin/python tests/bench/python_client_bench.py --server build/attention_server
+    # one part: --only overhead|copies|heap|sessions
     # or: PYTHONPATH=build/python /usr/bin/python3 tests/bench/python_client_bench.py ...
 """
 import argparse
+import asyncio
 import os
 import resource
 import subprocess
@@ -40,6 +46,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client",
                                 "python"))
 import attention_client  # noqa: E402
+import attention_client.aio  # noqa: E402
 from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2  # noqa: E402
 from server_fixture import Server  # noqa: E402
 
@@ -207,11 +214,75 @@ def copies(target):
     raw_channel.close()
 
 
+def sessions(target, seconds, rounds):
+    rng = np.random.default_rng(0)
+    prompt = rng.standard_normal((1, 128, 64)).astype(np.float32)
+    row = rng.standard_normal((1, 1, 64)).astype(np.float32)
+    fields = {"num_heads": 1, "causal": "bottom_right"}
+
+    def blocking():
+        with attention_client.Client(target) as client, client.session(**fields) as s:
+            s.step(prompt)
+            return rate(lambda: s.step(row), seconds)[0]
+
+    def blocking_stream():
+        # What blocking sessions would step at on a stream: the same session
+        # requests on one grpcio stream, each written and its answer awaited
+        # (grpcio takes a blocking stream's requests from an iterator, on a
+        # thread of its own).
+        import queue
+        from attention_client import _wire
+        with attention_client.Client(target) as client, client.session(**fields) as s:
+            s.step(prompt)
+            core, pending = s._core, queue.Queue()
+            answers = client._attend_stream(iter(pending.get, None))
+
+            def step():
+                one = core.prepare(row, None, None)
+                pending.put(core.request(one))
+                core.advance(one, core.position, _wire.decode(next(answers), one[3]))
+            try:
+                return rate(step, seconds)[0]
+            finally:
+                pending.put(None)
+                answers.cancel()
+
+    async def aio_steps(stream):
+        async with attention_client.aio.Client(target) as client:
+            async with client.session(stream=stream, **fields) as s:
+                await s.step(prompt)
+                n, start = 0, time.perf_counter()
+                while time.perf_counter() - start < seconds:
+                    await s.step(row)
+                    n += 1
+                return n / (time.perf_counter() - start)
+
+    variants = {
+        "blocking Session.step (unary)": blocking,
+        "blocking, steps on one stream": blocking_stream,
+        "aio Session.step (unary)": lambda: asyncio.run(aio_steps(False)),
+        "aio Session.step, stream=True": lambda: asyncio.run(aio_steps(True)),
+    }
+    results = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            results[name].append(run())
+    print(f"sessions: decode steps of one session (a row of 64, one head, over 128+ rows), "
+          f"{rounds} rounds of {seconds} s, median steps/s")
+    base = np.median(results["aio Session.step (unary)"])
+    for name, rates in results.items():
+        med = np.median(rates)
+        print(f"  {name:36s} {med:8.1f} steps/s  {med / base:5.2f}x aio unary  "
+              f"(rounds {min(rates):.0f}-{max(rates):.0f})")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--server", default="build/attention_server", help="attention_server binary")
     p.add_argument("--seconds", type=float, default=2.0, help="per round and variant")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--only", choices=("overhead", "copies", "heap", "sessions"),
+                   help="run one part")
     p.add_argument("--loop", metavar="TARGET", help=argparse.SUPPRESS)  # part 3's child
     a = p.parse_args()
     if a.loop:
@@ -222,9 +293,15 @@ def main():
     try:
         with attention_client.Client(server.target) as c:
             server.wait_serving(c)
-        overhead(server.target, a.seconds, a.rounds)
-        copies(server.target)
-        heap(server.target, a.seconds, min(a.rounds, 3))
+        parts = {
+            "overhead": lambda: overhead(server.target, a.seconds, a.rounds),
+            "copies": lambda: copies(server.target),
+            "heap": lambda: heap(server.target, a.seconds, min(a.rounds, 3)),
+            "sessions": lambda: sessions(server.target, a.seconds, a.rounds),
+        }
+        for name, part in parts.items():
+            if a.only in (None, name):
+                part()
     finally:
         server.stop()
 
