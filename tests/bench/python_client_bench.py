@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The Python client's two targets (issue 22), against a server it starts on
-127.0.0.1:0:
+"""Benchmarks of the Python client against a server it starts on 127.0.0.1:0
+(parts 1 and 2 are its two targets, issue 22):
 
 1. Overhead: calls/s of Client.attend (numpy, and torch) for B1 H8 L=S=128
    D64, against a raw grpcio call sending the same request pre-serialized
