@@ -980,14 +980,13 @@ std::atomic<bool> portable_kernels_for_testing{false};
 std::atomic<bool> tiles_allowed{true};
 std::atomic<bool> dot_products_forced{false};
 
-// Whether bf16 dot products beat float32 math for FAST's steps of
-// kMinDotProductRows or more rows on this CPU (without tiles): not on
-// Intel's. There one vdpbf16ps takes as long as four FMAs (one per 0.84 ns
+// Whether bf16 dot products beat float32 math for FAST's steps on this CPU
+// (without tiles): not on Intel's. There one vdpbf16ps takes as long as four FMAs (one per 0.84 ns
 // on a thread against an FMA per 0.21 ns, 2026-11-27), so its two
 // multiply-adds per lane cost twice the FMAs' widened float32 ones, and a
 // grouped-query FAST step ran 6% faster in float32 (docs/benchmarks.md,
-// "Sessions"). The AMD hosts measured until 2026-11-26 ran them faster than
-// float32 math.
+// "Sessions"). The AMD hosts measured ran them faster than float32 math,
+// one-row steps included (2026-11-28).
 bool DotProductsFaster() {
 #ifdef ATTN_DECODE_AVX512
   static const bool faster = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
@@ -1045,12 +1044,11 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   // length, rows and precision (RunDecode groups them so).
   const int64_t rows = first.group * first.query_len;
   const int64_t count = u.end_item - u.first_item;
-  // Precision FAST over a BFLOAT16 cache, with enough rows per key/value
-  // head: bf16 products, by tile multiplies where the CPU has them and the
-  // shape fits, else by dot products where those beat float32 math.
-  const bool bf16_products =
-      cache.dtype() == DType::kBFloat16 && first.fast && rows >= kMinDotProductRows;
-  const bool tile_shape = bf16_products && TilesFit(rows, dk, dv) &&
+  // Precision FAST over a BFLOAT16 cache: bf16 products, by tile
+  // multiplies where the CPU has them and the shape fits (enough rows per
+  // key/value head), else by dot products where those beat float32 math.
+  const bool bf16_products = cache.dtype() == DType::kBFloat16 && first.fast;
+  const bool tile_shape = bf16_products && rows >= kMinTileRows && TilesFit(rows, dk, dv) &&
                           tiles_allowed.load(std::memory_order_relaxed) && TilesUsable();
   const Math math = cache.dtype() == DType::kFloat32 ? Math::kFloat32
                     : bf16_products && (tile_shape || DotProductsFaster()) ? Math::kBFloat16Dot

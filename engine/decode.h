@@ -39,18 +39,19 @@ struct DecodeItem {
   // BOTTOM_RIGHT: query row i sees cached keys j <= i + keys - query_len.
   bool causal = false;
   // Precision FAST: on CPUs with AVX-512, exponentials to a relative error
-  // under 5e-6; over a BFLOAT16 cache, for at least kMinDotProductRows query
-  // rows (group x query_len), bf16 products (the query and the softmax
-  // weights rounded to bfloat16, float32 sums) by tile multiplies or, where
-  // they are the faster (DecodeDotProductsChosen), dot products; float32
-  // math otherwise.
+  // under 5e-6; over a BFLOAT16 cache, bf16 products (the query and the
+  // softmax weights rounded to bfloat16, float32 sums) by tile multiplies
+  // (from kMinTileRows query rows, group x query_len) or, where they are the
+  // faster (DecodeDotProductsChosen), dot products; float32 math otherwise.
   bool fast = false;
 };
 
-// Below this many query rows per key/value head, FAST computes in float32:
-// there the bf16 dot products were the slower of the two, and tiles would
-// be mostly empty (docs/benchmarks.md, "Sessions", has the measurements).
-inline constexpr int64_t kMinDotProductRows = 4;
+// Below this many query rows per key/value head, FAST takes no tiles: they
+// would be mostly empty. Such steps take bf16 dot products where those beat
+// float32 math (DecodeDotProductsChosen), as from one row they do on the AMD
+// hosts measured, and float32 math elsewhere (docs/benchmarks.md,
+// "Sessions", has the measurements).
+inline constexpr int64_t kMinTileRows = 4;
 
 // Most query rows (group x query_len) of one item.
 inline constexpr int64_t kMaxDecodeRows = 64;
@@ -90,7 +91,7 @@ bool DecodeExpForTesting(bool fast, const float* x, float* y, int64_t n);
 void UsePortableDecodeKernelsForTesting(bool portable);
 
 // Whether this CPU and OS let RunDecode use tile matrix multiplies (AMX)
-// for precision FAST over BFLOAT16 caches (from kMinDotProductRows up to
+// for precision FAST over BFLOAT16 caches (from kMinTileRows up to
 // 16 query rows per key/value head, key dims a multiple of 32, value dims
 // of 16).
 bool DecodeTilesAvailable();

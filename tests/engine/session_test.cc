@@ -775,13 +775,13 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
 
 // Precision FAST over a BFLOAT16 cache: within bfloat16's rounding of the
 // exact answer over the same cached rows, by the path the contract gives.
-// From kMinDotProductRows query rows per key/value head, bf16 products (the
-// query and the weights rounded to bfloat16: errors of 1e-4 and more here),
-// by tile multiplies where the CPU has them and the shape fits, else by dot
+// bf16 products (the query and the weights rounded to bfloat16: errors of
+// 1e-4 and more here) by tile multiplies where the CPU has them and the
+// shape fits (from kMinTileRows query rows per key/value head), else by dot
 // products where the engine chooses them (DecodeDotProductsChosen) or the
-// test forces them; otherwise float32 math, within FAST's exponentials'
-// error of the same step under EXACT. Odd dims and an odd last block
-// included.
+// test forces them, one row included; otherwise float32 math, within FAST's
+// exponentials' error of the same step under EXACT. Odd dims and an odd last
+// block included.
 TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
   const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16");
   for (bool force_dot : {false, true}) {
@@ -825,10 +825,10 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
         absl::StatusOr<AttentionResult> exact_step = Step(exact, {twin.get()});
         ASSERT_THAT(exact_step, IsOk());
         const float from_exact = MaxAbsDifference(g, Values(exact_step->output.data));
-        const bool tiles = !force_dot && internal::DecodeTilesAvailable() && dim % 32 == 0;
+        const bool tiles = !force_dot && internal::DecodeTilesAvailable() && dim % 32 == 0 &&
+                           group >= internal::kMinTileRows;
         const bool bf16_products =
-            avx512_bf16 && group >= internal::kMinDotProductRows &&
-            (tiles || force_dot || internal::DecodeDotProductsChosen());
+            avx512_bf16 && (tiles || force_dot || internal::DecodeDotProductsChosen());
         if (bf16_products) {
           EXPECT_GE(from_exact, 1e-4f) << "bf16 products did not run";
         } else {
