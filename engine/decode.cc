@@ -981,12 +981,12 @@ std::atomic<bool> tiles_allowed{true};
 std::atomic<bool> dot_products_forced{false};
 
 // Whether bf16 dot products beat float32 math for FAST's steps on this CPU
-// (without tiles): not on Intel's. There one vdpbf16ps takes as long as four FMAs (one per 0.84 ns
-// on a thread against an FMA per 0.21 ns, 2026-11-27), so its two
-// multiply-adds per lane cost twice the FMAs' widened float32 ones, and a
-// grouped-query FAST step ran 6% faster in float32 (docs/benchmarks.md,
-// "Sessions"). The AMD hosts measured ran them faster than float32 math,
-// one-row steps included (2026-11-28).
+// (without tiles): not on Intel's. There one vdpbf16ps takes as long as four
+// FMAs (one per 0.84 ns on a thread against an FMA per 0.21 ns, 2026-11-27),
+// so its two multiply-adds per lane cost twice the FMAs' widened float32
+// ones, and a grouped-query FAST step ran 6% faster in float32
+// (docs/benchmarks.md, "Sessions"). The AMD hosts measured ran them faster
+// than float32 math, one-row steps included (2026-11-28).
 bool DotProductsFaster() {
 #ifdef ATTN_DECODE_AVX512
   static const bool faster = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");

@@ -13,15 +13,22 @@ SERVICE = "/attention.v1.AttentionService/"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
-# Unary methods are safe to repeat (docs/client.md, "Reconnects and retries");
-# streams are not retried.
+# Unary methods are safe to repeat (docs/client.md, "Reconnects and retries"):
+# attempts in all, and the most of the random waits between them (the first,
+# then doubled, up to the last). gRPC retries no streams; an asyncio session's
+# stream resends its step by the same policy (aio._StepStream).
+RETRY_ATTEMPTS = 4
+RETRY_FIRST_BACKOFF_S, RETRY_MAX_BACKOFF_S, RETRY_BACKOFF_MULTIPLIER = 0.1, 1.0, 2
 _SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
         "name": [{"service": "attention.v1.AttentionService", "method": m} for m in (
             "Attend", "GetServerInfo", "ListModels", "GetModel", "CloseSessions", "GetSession")]
         + [{"service": "grpc.health.v1.Health", "method": "Check"}],
-        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "1s",
-                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+        "retryPolicy": {"maxAttempts": RETRY_ATTEMPTS,
+                        "initialBackoff": f"{RETRY_FIRST_BACKOFF_S:g}s",
+                        "maxBackoff": f"{RETRY_MAX_BACKOFF_S:g}s",
+                        "backoffMultiplier": RETRY_BACKOFF_MULTIPLIER,
+                        "retryableStatusCodes": ["UNAVAILABLE"]},
     }],
     "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
 })

@@ -122,21 +122,14 @@ class Client:
                                 affinity or (ids[0] if ids else None))
 
 
-# Attempts of a step whose stream ends UNAVAILABLE unanswered, and the most
-# of the random waits between them (0.1 s, doubling up to 1 s): the channel's
-# retry policy for unary calls (_channel.py).
-_STREAM_ATTEMPTS = 4
-_STREAM_FIRST_BACKOFF, _STREAM_MAX_BACKOFF = 0.1, 1.0
-
-
 class _StepStream:
     """A session's AttendStream (session(stream=True)): a step is one message
     and its answer, the pair bounded by the step's timeout; the stream itself
     has no deadline. It opens at the first step, and again after one ends. A
     step whose stream ends UNAVAILABLE (the server ended it OK without
     answering, as a draining replica does, or the connection failed) is sent
-    again on a new stream, up to 4 attempts 0.1 s to 1 s apart, as the channel
-    retries a unary step: safe, since a session request whose position has
+    again on a new stream, by the channel's retry policy for unary steps
+    (_channel.RETRY_ATTEMPTS and the backoffs beside it): safe, since a session request whose position has
     passed is ABORTED, never appended twice. A step past its timeout cancels
     the stream (a late answer would answer the next step)."""
 
@@ -148,15 +141,16 @@ class _StepStream:
 
     async def send(self, request, timeout):
         """The answer's bytes to `request`; AttentionError when the stream fails."""
-        backoff = _STREAM_FIRST_BACKOFF
-        for attempt in range(1, _STREAM_ATTEMPTS + 1):
+        backoff = _channel.RETRY_FIRST_BACKOFF_S
+        for attempt in range(1, _channel.RETRY_ATTEMPTS + 1):
             try:
                 return await self._exchange(request, timeout)
             except AttentionError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _STREAM_ATTEMPTS:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _channel.RETRY_ATTEMPTS:
                     raise
             await asyncio.sleep(random.uniform(0, backoff))
-            backoff = min(2 * backoff, _STREAM_MAX_BACKOFF)
+            backoff = min(backoff * _channel.RETRY_BACKOFF_MULTIPLIER,
+                          _channel.RETRY_MAX_BACKOFF_S)
 
     async def _exchange(self, request, timeout):
         if self._call is None:
