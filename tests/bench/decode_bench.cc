@@ -13,7 +13,8 @@
 // queries and BFLOAT16 raise the work per byte: where the memory target asks
 // for most of the peak, the kernel is bound by arithmetic, not memory.
 // Each figure is the median of 7 rounds, each of which calls the probes and
-// every step of a shape in turn, round and round (so a ratio compares times
+// every step of a shape in turn, in a new random order each pass, round
+// and round (so a ratio compares times
 // taken over the same second on the shared machine), each call but the
 // multiply-add probe's starting with its data flushed from the CPU's
 // caches. Prints a table and "PASS" / "MISS" per target; with --enforce
@@ -35,6 +36,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <utility>
@@ -68,12 +70,20 @@ struct Timed {
 // Seconds per call of each of `fns`, called in turn (one call each, round
 // and round) until every one has run for at least `min_seconds` in all: on
 // a shared machine, a neighbour's load then falls on all of them alike.
+// Each pass calls them in a new random order, so that every call follows
+// each other one about equally often: in a fixed order, the first step
+// after the probes (or after a 20 ms pause) ran 2-14% slower than the same
+// step right after another step (docs/benchmarks.md, "Sessions").
 std::vector<double> TimeInterleaved(const std::vector<Timed>& fns, double min_seconds) {
   for (const Timed& f : fns) f.call();  // warm-up
   std::vector<double> spent(fns.size(), 0.0);
   std::vector<int> calls(fns.size(), 0);
+  std::vector<size_t> order(fns.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  static std::mt19937 rng(1);
   while (*std::min_element(spent.begin(), spent.end()) < min_seconds) {
-    for (size_t i = 0; i < fns.size(); ++i) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (const size_t i : order) {
       fns[i].before();
       const absl::Time start = absl::Now();
       fns[i].call();
@@ -452,12 +462,13 @@ int Main(int argc, char** argv) {
   constexpr int kRounds = 7;
   ReadProbe probe(size_t{1} << 30, threads);
   MultiplyAddProbe fma(threads);
-  std::printf("%d rounds per shape, each calling in turn, for at least 0.2 s each: the "
-              "memory-read probe\n(%d threads streaming 1 GiB, prefetching), a multiply-add "
-              "probe (%d threads of independent 16-lane FMAs)\nand each step, the probe and the "
-              "steps each starting with its data flushed from the CPU's caches;\nmedians of the "
-              "rounds' ratios\n",
-              kRounds, threads, threads);
+  std::printf(
+      "%d rounds per shape, each calling in turn (shuffled), for at least 0.2 s each: the "
+      "memory-read probe\n(%d threads streaming 1 GiB, prefetching), a multiply-add "
+      "probe (%d threads of independent 16-lane FMAs)\nand each step, the probe and the "
+      "steps each starting with its data flushed from the CPU's caches;\nmedians of the "
+      "rounds' ratios\n",
+      kRounds, threads, threads);
   // FAST takes tile multiplies (AMX) where the CPU has them: the same
   // steps as a CPU without them computes them are then shown beside them
   // ("NO TILES"); where that is float32 math and the CPU has bf16 dot
