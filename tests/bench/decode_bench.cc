@@ -13,11 +13,10 @@
 // queries and BFLOAT16 raise the work per byte: where the memory target asks
 // for most of the peak, the kernel is bound by arithmetic, not memory.
 // Each figure is the median of 7 rounds, each of which calls the probes and
-// every step of a shape in turn, in a new random order each pass, round
-// and round (so a ratio compares times
-// taken over the same second on the shared machine), each call but the
-// multiply-add probe's starting with its data flushed from the CPU's
-// caches. Prints a table and "PASS" / "MISS" per target; with --enforce
+// every step of a shape in turn, round and round, in a new random order
+// each pass (so a ratio compares times taken over the same second on the
+// shared machine), each call but the multiply-add probe's starting with its
+// data flushed from the CPU's caches. Prints a table and "PASS" / "MISS" per target; with --enforce
 // exits 1 on a miss. Timed, so not a unit test: `bash deploy/bench.sh
 // decode` runs it.
 //

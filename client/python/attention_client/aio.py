@@ -129,9 +129,10 @@ class _StepStream:
     step whose stream ends UNAVAILABLE (the server ended it OK without
     answering, as a draining replica does, or the connection failed) is sent
     again on a new stream, by the channel's retry policy for unary steps
-    (_channel.RETRY_ATTEMPTS and the backoffs beside it): safe, since a session request whose position has
-    passed is ABORTED, never appended twice. A step past its timeout cancels
-    the stream (a late answer would answer the next step)."""
+    (_channel.RETRY_ATTEMPTS and the backoffs beside it): safe, since a session
+    request whose position has passed is ABORTED, never appended twice. A
+    step past its timeout cancels the stream (a late answer would answer the
+    next step)."""
 
     def __init__(self, client, affinity):
         self._client = client
