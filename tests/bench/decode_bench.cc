@@ -16,13 +16,18 @@
 // every step of a shape in turn, round and round, in a new random order
 // each pass (so a ratio compares times taken over the same second on the
 // shared machine), each call but the multiply-add probe's starting with its
-// data flushed from the CPU's caches. Prints a table and "PASS" / "MISS" per target; with --enforce
-// exits 1 on a miss. Timed, so not a unit test: `bash deploy/bench.sh
-// decode` runs it.
+// data flushed from the CPU's caches. Prints a table and "PASS" / "MISS"
+// per target; with --enforce exits 1 on a miss. Timed, so not a unit test:
+// `bash deploy/bench.sh decode` runs it.
 //
-//   decode_bench [--enforce] [--quick] [--only TEXT]
+//   decode_bench [--enforce] [--quick] [--only TEXT] [--back-to-back]
+//                [--predecessors]
 //     --quick: smaller shapes (a smoke run); --only: the decode shapes whose
-//     name contains TEXT, no prefill ("prefill": the prefill only)
+//     name contains TEXT, no prefill ("prefill": the prefill only);
+//     --back-to-back: a step call is 8 steps over copies of the sessions
+//     (Sessions, below) rather than one;
+//     --predecessors: no table, but each shape's FLOAT32 step timed after
+//     each of several other calls (what ran before a step changes its time)
 
 #include <omp.h>
 
@@ -374,6 +379,44 @@ class Decoder {
   double bytes_per_step_ = 0;
 };
 
+// A shape's sessions (a Decoder) stepped once per timed call, or with
+// --back-to-back, copies of them, as many as hold 256 MiB of cache or more,
+// stepped 8 times per call one after another, as a busy server steps its
+// sessions: each step's cache then comes from memory because the others
+// pushed it out of the CPU's caches, not because it was flushed (which also
+// leaves its pages' translations fresh), and only a call's first step runs
+// right after another call (a 1.5 ms step right after the probes ran 10-16%
+// slower: --predecessors). docs/benchmarks.md, "Sessions", compares the two.
+class Sessions {
+ public:
+  Sessions(const Shape& s, DType dtype, bool back_to_back) : steps_per_call_(back_to_back ? 8 : 1) {
+    constexpr double kColdBytes = 256.0 * (1 << 20);
+    do {
+      decoders_.push_back(std::make_unique<Decoder>(s, dtype));
+    } while (back_to_back &&
+             static_cast<double>(decoders_.size()) * decoders_[0]->bytes_per_step() < kColdBytes);
+  }
+
+  double bytes_per_step() const { return decoders_[0]->bytes_per_step(); }
+  int steps_per_call() const { return steps_per_call_; }
+  // steps_per_call() steps, one session after another.
+  void Steps(const Engine& engine, bool fast) {
+    for (int i = 0; i < steps_per_call_; ++i) {
+      decoders_[next_]->Step(engine, fast);
+      next_ = (next_ + 1) % decoders_.size();
+    }
+  }
+  // Every session's cache out of the CPU's caches.
+  void Flush(int threads) const {
+    for (const auto& d : decoders_) d->Flush(threads);
+  }
+
+ private:
+  const int steps_per_call_;
+  std::vector<std::unique_ptr<Decoder>> decoders_;
+  size_t next_ = 0;
+};
+
 // Prefill of `keys` rows (causal) into a session holding `held` rows (0: a
 // new one), and the same call stateless (its key every row), interleaved
 // (TimeInterleaved, at least a second each per round) over `rounds` rounds:
@@ -425,18 +468,94 @@ PrefillFigures Prefill(const Engine& engine, int64_t heads, int64_t keys, int64_
   return {Median(session), Median(plain), Median(ratio)};
 }
 
+// Busy-waits `ms` milliseconds on `threads` threads (no memory traffic).
+void Spin(double ms, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    const absl::Time start = absl::Now();
+    while (absl::ToDoubleMilliseconds(absl::Now() - start) < ms) {
+    }
+  }
+}
+
+// --predecessors: what ran just before a step changes its time. The
+// shape's FLOAT32 step, flushed first as in the table (but where said),
+// timed after each of these in turn, 60 times; the median of each and its
+// ratio to the first (docs/benchmarks.md, "Sessions", has what it showed).
+void Predecessors(const Engine& engine, const Shape& s, ReadProbe& probe, MultiplyAddProbe& fma,
+                  int threads) {
+  Decoder f32(s, DType::kFloat32), bf16(s, DType::kBFloat16);
+  std::vector<double> probe_seconds;
+  struct Before {
+    const char* name;
+    std::function<void()> run;
+    bool flush = true;  // the step's cache flushed after `run`
+  };
+  const std::vector<Before> befores = {
+      {"a FLOAT32 step (this cache)", [&] { f32.Step(engine, false); }},
+      {"a BFLOAT16 step (another cache)", [&] { bf16.Step(engine, false); }},
+      {"a FLOAT32 step, then 16 ms spinning",
+       [&] {
+         f32.Step(engine, false);
+         Spin(16, threads);
+       }},
+      {"the multiply-add probe", [&] { fma.Pass(); }},
+      {"the read probe",
+       [&] {
+         const absl::Time start = absl::Now();
+         probe.Pass();
+         probe_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+       }},
+      {"the read probe, no flush after it",
+       [&] {
+         f32.Flush(threads);
+         probe.Pass();  // 1 GiB: the cache stays out of the CPU's caches
+       },
+       false},
+  };
+  constexpr int kReps = 60;
+  std::vector<std::vector<double>> us(befores.size());
+  for (int rep = 0; rep < kReps; ++rep) {
+    for (size_t i = 0; i < befores.size(); ++i) {
+      befores[i].run();
+      if (befores[i].flush) f32.Flush(threads);
+      const absl::Time start = absl::Now();
+      f32.Step(engine, false);
+      us[i].push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+    }
+  }
+  const double probe_gb = static_cast<double>(probe.bytes()) / Median(probe_seconds) / 1e9;
+  std::printf(
+      "\n%s, FLOAT32 step (median of %d) after each, and its GB/s against the read "
+      "probe's %.2f:\n",
+      s.name, kReps, probe_gb);
+  const double first = Median(us[0]);
+  for (size_t i = 0; i < befores.size(); ++i) {
+    const double t = Median(us[i]);
+    const double gb = f32.bytes_per_step() / t / 1e3;
+    std::printf("  %-36s %9.1f us %6.2fx %8.2f GB/s %6.2fx\n", befores[i].name, t, t / first, gb,
+                gb / probe_gb);
+  }
+}
+
 int Main(int argc, char** argv) {
-  bool enforce = false, quick = false;
+  bool enforce = false, quick = false, predecessors = false, back_to_back = false;
   const char* only = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--enforce") == 0) {
       enforce = true;
     } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--back-to-back") == 0) {
+      back_to_back = true;
+    } else if (std::strcmp(argv[i], "--predecessors") == 0) {
+      predecessors = true;
     } else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
       only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: decode_bench [--enforce] [--quick] [--only TEXT]\n");
+      std::fprintf(stderr,
+                   "usage: decode_bench [--enforce] [--quick] [--only TEXT] [--back-to-back] "
+                   "[--predecessors]\n");
       return 2;
     }
   }
@@ -461,13 +580,25 @@ int Main(int argc, char** argv) {
   constexpr int kRounds = 7;
   ReadProbe probe(size_t{1} << 30, threads);
   MultiplyAddProbe fma(threads);
+  if (predecessors) {
+    std::printf("probe: %d threads streaming 1 GiB\n", threads);
+    for (const Shape& s : shapes) {
+      if (only == nullptr || std::strstr(s.name, only) != nullptr) {
+        Predecessors(*engine, s, probe, fma, threads);
+      }
+    }
+    return 0;
+  }
   std::printf(
       "%d rounds per shape, each calling in turn (shuffled), for at least 0.2 s each: the "
       "memory-read probe\n(%d threads streaming 1 GiB, prefetching), a multiply-add "
       "probe (%d threads of independent 16-lane FMAs)\nand each step, the probe and the "
-      "steps each starting with its data flushed from the CPU's caches;\nmedians of the "
+      "steps each starting with its data flushed from the CPU's caches;\n%s; medians of the "
       "rounds' ratios\n",
-      kRounds, threads, threads);
+      kRounds, threads, threads,
+      back_to_back ? "a step call is 8 steps back to back over copies of the sessions (256 MiB "
+                     "or more of cache)"
+                   : "a step call is one step");
   // FAST takes tile multiplies (AMX) where the CPU has them: the same
   // steps as a CPU without them computes them are then shown beside them
   // ("NO TILES"); where that is float32 math and the CPU has bf16 dot
@@ -507,7 +638,7 @@ int Main(int argc, char** argv) {
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
   for (const Shape& s : shapes) {
     if (only != nullptr && std::strstr(s.name, only) == nullptr) continue;
-    Decoder f32(s, DType::kFloat32), bf16(s, DType::kBFloat16);
+    Sessions f32(s, DType::kFloat32, back_to_back), bf16(s, DType::kBFloat16, back_to_back);
     // Per round: probe GB/s, FMA peak, and each step's seconds.
     std::vector<double> bandwidth, peak, t_f32, t_bf16, t_fast;
     std::vector<double> f32_vs_probe, bf16_vs_probe, fast_vs_probe, f32_peak, bf16_peak, bf16_up,
@@ -520,14 +651,14 @@ int Main(int argc, char** argv) {
       std::vector<Timed> calls = {
           {[&] { probe.Pass(); }, [&] { probe.Flush(); }},
           {[&] { fma.Pass(); }},
-          {[&] { f32.Step(*engine, false); }, [&] { f32.Flush(threads); }},
-          {[&] { bf16.Step(*engine, false); }, [&] { bf16.Flush(threads); }},
-          {[&] { bf16.Step(*engine, true); }, [&] { bf16.Flush(threads); }}};
+          {[&] { f32.Steps(*engine, false); }, [&] { f32.Flush(threads); }},
+          {[&] { bf16.Steps(*engine, false); }, [&] { bf16.Flush(threads); }},
+          {[&] { bf16.Steps(*engine, true); }, [&] { bf16.Flush(threads); }}};
       for (const Variant& v : variants) {
         calls.push_back({[&] {
                            internal::UseDecodeTiles(v.tiles);
                            internal::ForceDecodeDotProducts(v.dot);
-                           bf16.Step(*engine, true);
+                           bf16.Steps(*engine, true);
                            internal::UseDecodeTiles(true);
                            internal::ForceDecodeDotProducts(false);
                          },
@@ -536,9 +667,9 @@ int Main(int argc, char** argv) {
       const std::vector<double> t = TimeInterleaved(calls, 0.2);
       bandwidth.push_back(static_cast<double>(probe.bytes()) / t[0]);
       peak.push_back(fma.available() ? fma.multiply_adds_per_pass() / t[1] : 0);
-      t_f32.push_back(t[2]);
-      t_bf16.push_back(t[3]);
-      t_fast.push_back(t[4]);
+      t_f32.push_back(t[2] / f32.steps_per_call());
+      t_bf16.push_back(t[3] / bf16.steps_per_call());
+      t_fast.push_back(t[4] / bf16.steps_per_call());
       f32_vs_probe.push_back(f32.bytes_per_step() / t_f32.back() / bandwidth.back());
       bf16_vs_probe.push_back(bf16.bytes_per_step() / t_bf16.back() / bandwidth.back());
       fast_vs_probe.push_back(bf16.bytes_per_step() / t_fast.back() / bandwidth.back());
@@ -548,7 +679,7 @@ int Main(int argc, char** argv) {
       bf16_up.push_back(t_f32.back() / t_bf16.back());
       fast_up.push_back(t_f32.back() / t_fast.back());
       for (size_t v = 0; v < variants.size(); ++v) {
-        t_var[v].push_back(t[5 + v]);
+        t_var[v].push_back(t[5 + v] / bf16.steps_per_call());
         var_vs_probe[v].push_back(bf16.bytes_per_step() / t_var[v].back() / bandwidth.back());
         var_up[v].push_back(t_f32.back() / t_var[v].back());
       }
