@@ -383,10 +383,11 @@ class Decoder {
 // --back-to-back, copies of them, as many as hold 256 MiB of cache or more,
 // stepped 8 times per call one after another, as a busy server steps its
 // sessions: each step's cache then comes from memory because the others
-// pushed it out of the CPU's caches, not because it was flushed (which also
-// leaves its pages' translations fresh), and only a call's first step runs
-// right after another call (a 1.5 ms step right after the probes ran 10-16%
-// slower: --predecessors). docs/benchmarks.md, "Sessions", compares the two.
+// pushed it out of the CPU's caches, not because it was flushed (which
+// probably also leaves its pages' translations fresh), and only a call's
+// first step runs right after another call (a 1.5 ms step right after the
+// probes ran 10-16% slower: --predecessors). docs/benchmarks.md,
+// "Sessions", compares the two.
 class Sessions {
  public:
   Sessions(const Shape& s, DType dtype, bool back_to_back) : steps_per_call_(back_to_back ? 8 : 1) {
