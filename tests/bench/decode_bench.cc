@@ -390,12 +390,17 @@ class Decoder {
 // "Sessions", compares the two.
 class Sessions {
  public:
-  Sessions(const Shape& s, DType dtype, bool back_to_back) : steps_per_call_(back_to_back ? 8 : 1) {
-    constexpr double kColdBytes = 256.0 * (1 << 20);
+  // --back-to-back: steps per call, and the cache the copies hold at least.
+  static constexpr int kBackToBackSteps = 8;
+  static constexpr int kColdMiB = 256;
+
+  Sessions(const Shape& s, DType dtype, bool back_to_back)
+      : steps_per_call_(back_to_back ? kBackToBackSteps : 1) {
+    const double cold_bytes = static_cast<double>(kColdMiB) * (1 << 20);
     do {
       decoders_.push_back(std::make_unique<Decoder>(s, dtype));
     } while (back_to_back &&
-             static_cast<double>(decoders_.size()) * decoders_[0]->bytes_per_step() < kColdBytes);
+             static_cast<double>(decoders_.size()) * decoders_[0]->bytes_per_step() < cold_bytes);
   }
 
   double bytes_per_step() const { return decoders_[0]->bytes_per_step(); }
@@ -594,12 +599,17 @@ int Main(int argc, char** argv) {
       "%d rounds per shape, each calling in turn (shuffled), for at least 0.2 s each: the "
       "memory-read probe\n(%d threads streaming 1 GiB, prefetching), a multiply-add "
       "probe (%d threads of independent 16-lane FMAs)\nand each step, the probe and the "
-      "steps each starting with its data flushed from the CPU's caches;\n%s; medians of the "
-      "rounds' ratios\n",
-      kRounds, threads, threads,
-      back_to_back ? "a step call is 8 steps back to back over copies of the sessions (256 MiB "
-                     "or more of cache)"
-                   : "a step call is one step");
+      "steps each starting with its data flushed from the CPU's caches;\n",
+      kRounds, threads, threads);
+  if (back_to_back) {
+    std::printf(
+        "a step call is %d steps back to back over copies of the sessions (%d MiB or "
+        "more of cache); ",
+        Sessions::kBackToBackSteps, Sessions::kColdMiB);
+  } else {
+    std::printf("a step call is one step; ");
+  }
+  std::printf("medians of the rounds' ratios\n");
   // FAST takes tile multiplies (AMX) where the CPU has them: the same
   // steps as a CPU without them computes them are then shown beside them
   // ("NO TILES"); where that is float32 math and the CPU has bf16 dot
