@@ -354,9 +354,7 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
         fail_session(i, projections.status());
       }
     }
-    // A pass with nothing to do still takes a thread team (an empty one cost
-    // a cold grouped-query decode step 2-8 us, 2026-11-29): skipped.
-    const absl::Status projected = jobs.empty() ? absl::OkStatus() : backend.LinearBatch(jobs);
+    const absl::Status projected = backend.LinearBatch(jobs);
     // Sessions: the new rows into the caches, then the decode kernel for
     // every call it computes, in one pass.
     std::vector<internal::DecodeItem> decode_items;
@@ -424,8 +422,7 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       row_calls.push_back({i, work.size(), rows->size()});
       work.insert(work.end(), rows->begin(), rows->end());
     }
-    std::vector<absl::StatusOr<AttentionResult>> computed;
-    if (!work.empty()) computed = backend.RunBatch(work);
+    std::vector<absl::StatusOr<AttentionResult>> computed = backend.RunBatch(work);
     for (size_t w = 0; w < index.size(); ++w) results[index[w]] = std::move(computed[w]);
     for (const RowCallRange& range : row_calls) {
       const size_t i = range.call;
@@ -461,7 +458,7 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
         results[i] = job.status();
       }
     }
-    const absl::Status out = jobs.empty() ? absl::OkStatus() : backend.LinearBatch(jobs);
+    const absl::Status out = backend.LinearBatch(jobs);
     for (size_t i : layer_calls) {
       if (out.ok()) {
         results[i]->output.data = std::move(projected_out[i]);

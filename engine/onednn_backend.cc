@@ -819,8 +819,13 @@ class OneDnnBackend final : public ComputeBackend {
     cpu_bf16_ = isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
   }
 
+  // Both passes return at once when given nothing: the engine makes them in
+  // every batch, a session's decode step too, and an empty one still took a
+  // team and set OpenMP's thread count (2-8 us of a cold grouped-query step,
+  // 2026-11-29).
   std::vector<absl::StatusOr<AttentionResult>> RunBatch(
       absl::Span<const BackendCall> calls) override {
+    if (calls.empty()) return {};
     double flops = 0;
     for (const BackendCall& call : calls) flops += RawCallCost(*call.args, call.shape, 1).flops;
     const int threads = UseThreadsFor(flops);
@@ -875,6 +880,7 @@ class OneDnnBackend final : public ComputeBackend {
   }
 
   absl::Status LinearBatch(absl::Span<const LinearJob> jobs) override {
+    if (jobs.empty()) return absl::OkStatus();
     struct Item {
       const LinearJob* job;
       int64_t row0;
