@@ -189,6 +189,20 @@ ATTN_AVX512 inline void PrefetchSlice(const char* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
+// The 16 floats at p, in a register of their own when kUses multiply-adds
+// read them. Left alone, GCC folded the load into each multiply-add as a
+// memory operand, loading the same 64 bytes once per query row: the value
+// kernel of two rows issued 16 loads per value row where 8 do, the scores
+// kernels of two and three rows 8 and 12 per key element where 4 do. Kept
+// in a register, a grouped-query FLOAT32 step over a cache in L3 ran 9%
+// faster; cold, within the noise (docs/benchmarks.md, "Sessions").
+template <int kUses>
+ATTN_AVX512 inline __m512 LoadOnce(const float* p) {
+  __m512 x = _mm512_loadu_ps(p);
+  if constexpr (kUses > 1) __asm__("" : "+v"(x));
+  return x;
+}
+
 // A scores kernel's kRows x 4 registers of sums, zeroed.
 template <int kRows>
 ATTN_AVX512 inline void ZeroScores(__m512 (&acc)[kRows][4]) {
@@ -217,8 +231,8 @@ ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64
   ZeroScores<kRows>(acc);
   for (int64_t e = 0; e < d; ++e) {
     const float* row = reinterpret_cast<const float*>(base + e * kRowBytes);
-    const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16),
-                 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+    const __m512 k0 = LoadOnce<kRows>(row), k1 = LoadOnce<kRows>(row + 16),
+                 k2 = LoadOnce<kRows>(row + 32), k3 = LoadOnce<kRows>(row + 48);
     ATTN_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const __m512 qe = _mm512_set1_ps(static_cast<const float*>(q[r])[e]);
@@ -557,7 +571,9 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
     const char* row = base + j * row_bytes;
     __m512 vj[kPass];
     ATTN_UNROLL
-    for (int k = 0; k < kPass; ++k) vj[k] = _mm512_loadu_ps(reinterpret_cast<const float*>(row + 64 * k));
+    for (int k = 0; k < kPass; ++k) {
+      vj[k] = LoadOnce<kRows>(reinterpret_cast<const float*>(row + 64 * k));
+    }
     ATTN_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * kBlockRows + j]);
