@@ -9,12 +9,14 @@
   computed here from the scraped buckets, and lies within the calls' range;
 - the alert rules of deploy/prometheus/alerts.yml are loaded and healthy;
 - every query of the Grafana dashboard (deploy/grafana) runs, and every
-  one but the error panel's (no errors here) returns series.
+  one but the error panel's (no errors here) returns series; the error
+  panel's ratio takes the methods and codes of AttentionErrorRatioHigh's.
 
 usage: prometheus_check.py PROMETHEUS_URL METRICS_URL LOAD.json SESSIONS.json
                            SESSION_INFO.json OPEN_SESSION_ROWS DASHBOARD.json
 """
 import json
+import re
 import sys
 import time
 import urllib.parse
@@ -177,6 +179,27 @@ for panel in dashboard["panels"]:
                   f"dashboard \"{panel['title']}\" {target['refId']}: {len(result)} series")
         except Exception as e:  # noqa: BLE001 - reported as a failure
             check(False, f"dashboard \"{panel['title']}\" {target['refId']}: {e}")
+
+# The error panel shows what AttentionErrorRatioHigh watches: the same
+# methods and codes on both sides of its ratio.
+def request_selectors(expr):
+    return re.findall(r"attention_requests_total\{([^}]*)\}", expr)
+
+
+def matchers(selector, name):
+    return re.findall(name + r'=~?"([^"]*)"', selector)
+
+
+alert = next((r for r in alerts if r["name"] == "AttentionErrorRatioHigh"), None)
+panel = next((t["expr"] for p in dashboard["panels"] for t in p["targets"]
+              if p["title"] == "Errors on the server's side"), None)
+if alert is None or panel is None:
+    check(False, "AttentionErrorRatioHigh and the error panel both exist")
+else:
+    want = [(matchers(s, "method"), matchers(s, "code")) for s in request_selectors(alert["query"])]
+    got = [(matchers(s, "method"), matchers(s, "code")) for s in request_selectors(panel)]
+    check(len(want) == 2 and got == want,
+          f"the error panel's methods and codes {got} are the alert's {want}")
 
 if failures:
     print(f"prometheus_check: {len(failures)} failed")
