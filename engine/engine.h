@@ -25,7 +25,8 @@ struct EngineCall {
   // query rows of one head: milliseconds at most), from any compute thread:
   // a non-OK status stops the call's remaining work and becomes its result
   // (a server's CANCELLED when the caller left, DEADLINE_EXCEEDED when its
-  // deadline passed). May be null. The reference backend polls between calls.
+  // deadline passed). May be null. The reference backend polls it as often
+  // (before each block of 64 query rows of each head).
   const std::function<absl::Status()>* interrupt = nullptr;
   // Keys and values kept between calls (engine/kv_cache.h); null: none.
   // Must stay valid, and its caches used by no other call, until the call's

@@ -198,7 +198,9 @@ class Scorer {
 
 }  // namespace
 
-AttentionResult ReferenceAttend(const AttentionArgs& args, const AttentionShape& s) {
+absl::StatusOr<AttentionResult> ReferenceAttend(const AttentionArgs& args,
+                                                const AttentionShape& s,
+                                                const std::function<absl::Status()>* interrupt) {
   const TensorView& qv = args.query;
   const TensorView& kv = args.key.present() ? args.key : qv;
   const TensorView& vv = args.value.present() ? args.value : kv;
@@ -235,6 +237,9 @@ AttentionResult ReferenceAttend(const AttentionArgs& args, const AttentionShape&
     for (int64_t h = 0; h < H; ++h) {
       const int64_t hk = h / group;
       for (int64_t i = 0; i < L; ++i) {
+        if (interrupt != nullptr && i % kReferenceRowsPerPoll == 0) {
+          ATTN_RETURN_IF_ERROR((*interrupt)());
+        }
         scorer.SetQuery(q.data() + qix.Offset(b, h, i));
         double max = kNegInf;
         for (int64_t j = 0; j < S; ++j) {
@@ -290,13 +295,10 @@ class ReferenceBackend final : public ComputeBackend {
       absl::Span<const BackendCall> calls) override {
     std::vector<absl::StatusOr<AttentionResult>> results;
     for (const BackendCall& c : calls) {
-      absl::Status interrupted = c.interrupt ? (*c.interrupt)() : absl::OkStatus();
-      results.push_back(interrupted.ok()
-                            ? OutOfMemoryAsStatus("engine",
-                                                  [&]() -> absl::StatusOr<AttentionResult> {
-                                                    return ReferenceAttend(*c.args, c.shape);
-                                                  })
-                            : absl::StatusOr<AttentionResult>(interrupted));
+      // ReferenceAttend polls c.interrupt itself, every block of query rows.
+      results.push_back(OutOfMemoryAsStatus("engine", [&]() -> absl::StatusOr<AttentionResult> {
+        return ReferenceAttend(*c.args, c.shape, c.interrupt);
+      }));
     }
     return results;
   }

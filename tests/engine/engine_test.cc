@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -386,6 +387,54 @@ TEST(EngineNanTest, ANanInAQueryMakesItsRowNanAndNoOther) {
         }
       }
     }
+  }
+}
+
+// The reference backend polls a call's interrupt as the oneDNN backend does,
+// before each block of 64 query rows of each head, not only before the call:
+// a caller that left, or a deadline that passed, stops a long call part way.
+TEST(ReferenceInterruptTest, StopsPartWayAtTheFirstNonOkPoll) {
+  auto engine = Engine::Create(EngineOptions{.backend = Backend::kReference});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  constexpr int64_t B = 2, H = 2, L = 130, S = 16, E = 8;  // 3 blocks of rows per head
+  const Owned q = Random({B, L, E}, 1), k = Random({B, S, E}, 2), v = Random({B, S, E}, 3);
+  AttentionArgs a;
+  a.query = q.view();
+  a.key = k.view();
+  a.value = v.view();
+  a.num_heads = H;
+  a.need_weights = true;
+
+  // Never interrupted: polled once per block of rows of each head of each
+  // batch row, and the answer is the one computed without an interrupt.
+  int polls = 0;
+  const std::function<absl::Status()> count = [&] {
+    ++polls;
+    return absl::OkStatus();
+  };
+  std::vector<absl::StatusOr<AttentionResult>> whole =
+      (*engine)->AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &count}});
+  ASSERT_EQ(whole.size(), 1u);
+  ASSERT_TRUE(whole[0].ok()) << whole[0].status();
+  EXPECT_EQ(polls, B * H * 3);
+  absl::StatusOr<AttentionResult> plain = (*engine)->Attend(a);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(whole[0]->output.data, plain->output.data);
+  EXPECT_EQ(whole[0]->weights.data, plain->weights.data);
+
+  // Interrupted in the middle (the fifth poll: batch row 0, head 1, second
+  // block): that status is the call's result, and it polls no more.
+  for (const absl::Status& stop :
+       {absl::CancelledError("the caller left"), absl::DeadlineExceededError("deadline")}) {
+    polls = 0;
+    const std::function<absl::Status()> stop_at_fifth = [&] {
+      return ++polls == 5 ? stop : absl::OkStatus();
+    };
+    std::vector<absl::StatusOr<AttentionResult>> stopped =
+        (*engine)->AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &stop_at_fifth}});
+    ASSERT_EQ(stopped.size(), 1u);
+    EXPECT_EQ(stopped[0].status(), stop);
+    EXPECT_EQ(polls, 5);
   }
 }
 
