@@ -4,7 +4,7 @@
 # runs as a non-root user.
 #
 #   podman build -t attention-service .        # or docker build
-#   podman run --rm -p 50051:50051 -p 9090:9090 attention-service [SERVER FLAGS...]
+#   podman run --rm -p 50051:50051 -p 9464:9464 attention-service [SERVER FLAGS...]
 #
 # BASE_IMAGE is both stages' base: any Debian 12 image with apt, e.g. one made
 # locally with debootstrap (deploy/container-test.sh does that).
@@ -50,10 +50,10 @@ COPY models/ /opt/attention/models/
 # Numeric, so that Kubernetes' runAsNonRoot can check it.
 USER 10001:10001
 # gRPC (AttentionService, grpc.health.v1.Health, reflection) and Prometheus metrics.
-EXPOSE 50051 9090
+EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
   CMD ["attention_cli", "--target", "127.0.0.1:50051", "--timeout", "2s", "health"]
 # Arguments given to the container are appended: a repeated flag overrides
 # these (the last one wins), e.g. --drain_seconds=20 or --max_batch_size=64.
 ENTRYPOINT ["attention_server", "--listen=0.0.0.0:50051", "--metrics_host=0.0.0.0", \
-            "--metrics_port=9090", "--model_repository=/opt/attention/models"]
+            "--metrics_port=9464", "--model_repository=/opt/attention/models"]

@@ -129,7 +129,7 @@ echo "image: $(podman image inspect --format '{{.Size}}' "$image" | numfmt --to=
 echo "healthcheck: $healthcheck"
 user=$(podman image inspect --format '{{.Config.User}}' "$image")
 [[ ${user%%:*} =~ ^[0-9]+$ && ${user%%:*} -ne 0 ]] || fail "the image's USER is '$user', not a numeric non-root user"
-[[ $config == *'"50051/tcp"'* && $config == *'"9090/tcp"'* ]] || fail "the image does not EXPOSE 50051 and 9090"
+[[ $config == *'"50051/tcp"'* && $config == *'"9464/tcp"'* ]] || fail "the image does not EXPOSE 50051 and 9464"
 [[ $config == *'"Entrypoint":["attention_server",'* ]] || fail "the image's entrypoint is not attention_server"
 [[ $healthcheck == *'"attention_cli",'*'"health"'* ]] || fail "the image's HEALTHCHECK does not run attention_cli health"
 # A second container of the image, for commands other than the server.

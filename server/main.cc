@@ -43,8 +43,9 @@ ABSL_FLAG(double, max_request_gflop, attention::EngineOptions().max_request_flop
           "score's tanh counts per hidden unit); 0 means no limit");
 ABSL_FLAG(int64_t, memory_budget_mb, attention::ServerOptions().memory_budget_mb,
           "Memory all calls in flight may hold at once (requests, the engine's allocations, "
-          "answers), in MiB; a call that would pass it gets RESOURCE_EXHAUSTED. Keep it about "
-          "512 MiB below the container's memory limit; 0 means no limit");
+          "answers), in MiB; a call that would pass it gets RESOURCE_EXHAUSTED. The container's "
+          "memory limit must hold it, --session_memory_mb and 1536 MiB more (pools of freed "
+          "blocks, the process; docs/serving.md); 0 means no limit");
 ABSL_FLAG(int64_t, session_memory_mb, attention::ServerOptions().session_memory_mb,
           "Memory all sessions' key/value caches may hold, in MiB, outside --memory_budget_mb; "
           "past it idle sessions are evicted, least recently used first; 0 turns sessions off");
@@ -88,7 +89,8 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "File holding the token callers must send as 'authorization: Bearer <token>'; "
           "health checks are exempt");
 ABSL_FLAG(int32_t, metrics_port, -1,
-          "Serve Prometheus metrics on http://--metrics_host:PORT/metrics; -1 off, 0 picks one");
+          "Serve Prometheus metrics on http://--metrics_host:PORT/metrics, with /healthz "
+          "(liveness) and /readyz (200 only while health is SERVING); -1 off, 0 picks one");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "Address for the metrics endpoint");
 ABSL_FLAG(std::string, log_level, "info",
           "trace, debug (one line per request), info, warn, error or off");

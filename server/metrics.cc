@@ -384,6 +384,9 @@ struct MetricsServer::Impl {
   std::thread thread;
   std::atomic<bool> finished{false};
   int port = 0;
+  absl::Mutex mu;
+  bool ready ABSL_GUARDED_BY(mu) = false;
+  std::string not_ready_reason ABSL_GUARDED_BY(mu) = std::string(kStartingReason);
 };
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& host,
@@ -401,6 +404,17 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   });
   http.Get("/healthz", [](const httplib::Request&, httplib::Response& response) {
     response.set_content("ok\n", "text/plain; charset=utf-8");
+  });
+  Impl* state = impl.get();  // outlives `http`, whose member it is
+  http.Get("/readyz", [state](const httplib::Request&, httplib::Response& response) {
+    absl::MutexLock lock(&state->mu);
+    if (state->ready) {
+      response.set_content("ok\n", "text/plain; charset=utf-8");
+    } else {
+      response.status = 503;
+      response.set_content(absl::StrCat(state->not_ready_reason, "\n"),
+                           "text/plain; charset=utf-8");
+    }
   });
   // httplib's default sets SO_REUSEPORT, which would let a second server bind
   // a port that is already serving; SO_REUSEADDR only allows quick restarts.
@@ -442,5 +456,16 @@ MetricsServer::~MetricsServer() {
 }
 
 int MetricsServer::port() const { return impl_->port; }
+
+void MetricsServer::SetReady() {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->ready = true;
+}
+
+void MetricsServer::SetNotReady(absl::string_view reason) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->ready = false;
+  impl_->not_ready_reason = std::string(reason);
+}
 
 }  // namespace attention::server

@@ -139,7 +139,11 @@ class Metrics {
 
 // An HTTP server on its own threads answering
 //   GET /metrics  the Metrics' RenderPrometheus() (text/plain; version=0.0.4)
-//   GET /healthz  "ok" while the process is up
+//   GET /healthz  200 "ok" while the process is up (liveness)
+//   GET /readyz   200 "ok" once SetReady() was called, until SetNotReady();
+//                 before, and after, 503 with the reason (readiness: the
+//                 gRPC health status as HTTP, for probes that cannot speak
+//                 gRPC, e.g. the kubelet's to a TLS server)
 // and 404 for anything else. Thread-safe.
 class MetricsServer {
  public:
@@ -158,6 +162,13 @@ class MetricsServer {
 
   // The bound port.
   int port() const;
+
+  // Readiness for GET /readyz. A server starts not ready, with the reason
+  // kStartingReason.
+  void SetReady();
+  void SetNotReady(absl::string_view reason);
+  static constexpr absl::string_view kStartingReason =
+      "warming up: not serving until every kind of call has run once";
 
  private:
   struct Impl;

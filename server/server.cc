@@ -262,12 +262,16 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   grpc::HealthCheckServiceInterface* health = impl->grpc_server->GetHealthCheckService();
   health->SetServingStatus("", false);
   health->SetServingStatus(v1::AttentionService::service_full_name(), false);
+  if (options.before_warm_up) {
+    options.before_warm_up(impl->metrics_server ? impl->metrics_server->port() : -1);
+  }
   if (absl::Status warm = WarmUp(*impl->engine, *impl->models); !warm.ok()) {
     impl->grpc_server->Shutdown();
     return warm;
   }
   health->SetServingStatus("", true);
   health->SetServingStatus(v1::AttentionService::service_full_name(), true);
+  if (impl->metrics_server) impl->metrics_server->SetReady();  // /readyz follows health
   spdlog::info("serving on {} (engine {} {} x{}, {} models, tls {}, auth {}, metrics port {})",
                impl->address, impl->engine->backend_name(), impl->engine->isa(),
                impl->engine->threads(), impl->models->models().size(),
@@ -295,6 +299,9 @@ void AttentionServer::Shutdown() {
   spdlog::info("draining: NOT_SERVING, refusing new calls, {} s for calls in flight",
                impl_->drain_seconds);
   impl_->grpc_server->GetHealthCheckService()->Shutdown();
+  if (impl_->metrics_server) {
+    impl_->metrics_server->SetNotReady("draining: the server is shutting down");
+  }
   // The connections stay open until the calls taken have answered and their
   // answers have left: gRPC closes a connection as soon as its last call
   // ends after a shutdown began, and the close resets it when the caller's

@@ -2,6 +2,7 @@
 #define ATTENTION_SERVER_SERVER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -72,8 +73,10 @@ struct ServerOptions {
   // Memory all calls in flight may hold at once, in MiB: each call reserves
   // its request, the engine's allocations and its answer from admission until
   // it is answered; a call that would pass the budget is RESOURCE_EXHAUSTED.
-  // Leave room below the container's memory limit for the process itself and
-  // the engine's pool of freed output blocks (up to 512 MiB). 0: no limit.
+  // The container's memory limit must also hold session_memory_mb, the pools
+  // of freed blocks (512 MiB of output blocks, 256 MiB of closed sessions')
+  // and the process: docs/serving.md, "The container's memory limit". 0: no
+  // limit.
   int64_t memory_budget_mb = 1536;
   // Sessions (docs/sessions.md): MiB all their caches may hold (0: sessions
   // off), and seconds an idle one is kept (0: until closed or evicted). The
@@ -84,6 +87,10 @@ struct ServerOptions {
   // GetServerInfo; empty: this host's name and the bound port (host:port).
   std::string replica_name;
   EngineOptions engine;
+  // For tests: called with the metrics port (-1: none) once the gRPC and
+  // metrics servers are up, before the warm-up (health NOT_SERVING, /readyz
+  // 503 meanwhile).
+  std::function<void(int metrics_port)> before_warm_up;
 };
 
 // The gRPC server: AttentionService, grpc.health.v1 and reflection.

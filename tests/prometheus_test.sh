@@ -37,8 +37,18 @@ metrics_port=$(server_metrics_port)
 free_port() {
   /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
-sed -e "s/127.0.0.1:9090/127.0.0.1:$metrics_port/" -e 's/_interval: 15s/_interval: 1s/' \
+# The shipped target is the Debian package's metrics port, not Prometheus's own
+# 9090 (on one host, a server there would clash with Prometheus, or the job
+# would scrape Prometheus itself).
+grep -q -- '--metrics_port=9464 ' "$root/deploy/debian/default" ||
+  server_fail "deploy/debian/default does not serve metrics on 9464, prometheus.yml's target"
+if grep -q ':9090\b' "$root/deploy/prometheus/prometheus.yml"; then
+  server_fail "deploy/prometheus/prometheus.yml scrapes port 9090, Prometheus's own"
+fi
+sed -e "s/127.0.0.1:9464/127.0.0.1:$metrics_port/" -e 's/_interval: 15s/_interval: 1s/' \
   "$root/deploy/prometheus/prometheus.yml" >"$tmp/prometheus.yml"
+grep -q "127.0.0.1:$metrics_port" "$tmp/prometheus.yml" ||
+  server_fail "deploy/prometheus/prometheus.yml has no target 127.0.0.1:9464 to point at the server"
 cp "$root/deploy/prometheus/alerts.yml" "$tmp/"
 promtool check config "$tmp/prometheus.yml" >/dev/null
 for attempt in 1 2 3; do

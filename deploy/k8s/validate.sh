@@ -4,7 +4,8 @@
 # kustomization with kubectl kustomize and checks every object against its
 # API schema (Kubernetes, Istio, Gateway API, Prometheus Operator) and the
 # rules of
-# deploy/validator/k8s.mjs (gRPC probes, grace period > preStop + drain,
+# deploy/validator/k8s.mjs (gRPC probes, grace period > preStop + drain, the
+# memory limit against the budgets, no prometheus.io annotations,
 # selectors, session routing on attention-affinity, ...); checks that the
 # ConfigMap's model is the repository's models/demo and that the sessions
 # overlay leaves every object of deploy/k8s as it is; then checks that broken
@@ -79,6 +80,11 @@ expect_invalid port_as_string 's/containerPort: 50051/containerPort: "50051"/' \
   "containerPort must be integer"
 expect_invalid short_grace_period 's/terminationGracePeriodSeconds: .*/terminationGracePeriodSeconds: 20/' \
   "terminationGracePeriodSeconds 20 must exceed"
+expect_invalid memory_limit_short 's/memory: 4Gi/memory: 3Gi/' \
+  "is below --memory_budget_mb + --session_memory_mb + 1536 MiB = 4096 MiB"
+expect_invalid memory_request_low '/requests:/,/memory:/s/memory: 4Gi/memory: 1Gi/' "memory request 1Gi differs from the limit 4Gi"
+expect_invalid scraped_twice 's/^      labels:$/      annotations: {prometheus.io\/scrape: "true"}\n&/' \
+  "pod annotation prometheus.io/scrape"
 expect_invalid ring_size_as_word 's/minimumRingSize: 4096/minimumRingSize: many/' \
   "minimumRingSize must be integer" sessions
 expect_invalid other_header 's/httpHeaderName: attention-affinity/httpHeaderName: x-session/' \

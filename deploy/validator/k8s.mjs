@@ -90,10 +90,27 @@ function flag(args, name) {
   return value;
 }
 const configMaps = new Set(ofKind("ConfigMap").map((c) => c.metadata?.name));
+// A memory quantity (1Gi, 4096Mi, 4G, 4294967296) in MiB; NaN if not one.
+function mebibytes(quantity) {
+  const m = /^([0-9.]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$/.exec(String(quantity ?? ""));
+  if (m === null) return NaN;
+  const factor = { Ki: 2 ** 10, Mi: 2 ** 20, Gi: 2 ** 30, Ti: 2 ** 40, k: 1e3, M: 1e6, G: 1e9, T: 1e12 };
+  return (Number(m[1]) * (factor[m[2]] ?? 1)) / 2 ** 20;
+}
+// What the server may hold beside its two budgets: the engine's pool of freed
+// output blocks (512 MiB), closed sessions' kept blocks (256 MiB) and 768 MiB
+// for the process (docs/serving.md, "The container's memory limit").
+const UNBUDGETED_MIB = 1536;
 
 for (const d of deployments) {
   const pod = d.spec?.template?.spec ?? {};
   const grace = pod.terminationGracePeriodSeconds ?? 30;
+  // One discovery path (docs/operations.md): the Service's metrics port.
+  for (const key of Object.keys(d.spec?.template?.metadata?.annotations ?? {})) {
+    if (key.startsWith("prometheus.io/")) {
+      problems.push(`${nameOf(d)}: pod annotation ${key}: Prometheus would scrape the pods twice, also through the attention-server Service`);
+    }
+  }
   for (const c of pod.containers ?? []) {
     const where = `${nameOf(d)} container ${c.name}`;
     for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) {
@@ -106,6 +123,16 @@ for (const d of deployments) {
     }
     const args = (c.args ?? []).map(String);
     const drain = Number(flag(args, "drain_seconds") ?? 30);  // the server's default
+    const budgets = Number(flag(args, "memory_budget_mb") ?? 1536) +  // the defaults
+      Number(flag(args, "session_memory_mb") ?? 1024);
+    const limit = mebibytes(c.resources?.limits?.memory);
+    const request = mebibytes(c.resources?.requests?.memory);
+    if (!(limit >= budgets + UNBUDGETED_MIB)) {
+      problems.push(`${where}: memory limit ${c.resources?.limits?.memory} (${limit} MiB) is below --memory_budget_mb + --session_memory_mb + ${UNBUDGETED_MIB} MiB = ${budgets + UNBUDGETED_MIB} MiB`);
+    }
+    if (request !== limit) {
+      problems.push(`${where}: memory request ${c.resources?.requests?.memory} differs from the limit ${c.resources?.limits?.memory}: the node may not have the memory the budgets allow`);
+    }
     const preStop = c.lifecycle?.preStop;
     const command = preStop?.exec?.command ?? [];
     const sleep = Number(preStop?.sleep?.seconds ?? (command[0] === "sleep" ? command[1] : 0));

@@ -526,6 +526,28 @@ TEST_F(MetricsServerTest, HealthzIsOk) {
   EXPECT_EQ(result->body, "ok\n");
 }
 
+// /readyz: 503 with the reason until SetReady(), 200 "ok" then, 503 with the
+// new reason after SetNotReady(); /healthz stays 200 all along.
+TEST_F(MetricsServerTest, ReadyzFollowsSetReadyAndSetNotReady) {
+  httplib::Result starting = Get("/readyz");
+  ASSERT_TRUE(starting) << httplib::to_string(starting.error());
+  EXPECT_EQ(starting->status, 503);
+  EXPECT_EQ(starting->body, absl::StrCat(MetricsServer::kStartingReason, "\n"));
+  server_->SetReady();
+  httplib::Result ready = Get("/readyz");
+  ASSERT_TRUE(ready) << httplib::to_string(ready.error());
+  EXPECT_EQ(ready->status, 200);
+  EXPECT_EQ(ready->body, "ok\n");
+  server_->SetNotReady("draining: test");
+  httplib::Result draining = Get("/readyz");
+  ASSERT_TRUE(draining) << httplib::to_string(draining.error());
+  EXPECT_EQ(draining->status, 503);
+  EXPECT_EQ(draining->body, "draining: test\n");
+  httplib::Result live = Get("/healthz");
+  ASSERT_TRUE(live) << httplib::to_string(live.error());
+  EXPECT_EQ(live->status, 200);
+}
+
 TEST_F(MetricsServerTest, OtherPathsAreNotFound) {
   httplib::Result result = Get("/nope");
   ASSERT_TRUE(result) << httplib::to_string(result.error());

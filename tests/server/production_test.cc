@@ -364,6 +364,62 @@ TEST(DrainTest, AStreamAnswersWhatItTookThenEnds) {
   stopper.join();
 }
 
+// GET path on 127.0.0.1:port: {status, body}, or {0, error} when nothing answered.
+std::pair<int, std::string> HttpGet(int port, const std::string& path) {
+  httplib::Client http("127.0.0.1", port);
+  http.set_connection_timeout(5);
+  http.set_read_timeout(5);
+  httplib::Result result = http.Get(path.c_str());
+  if (!result) return {0, httplib::to_string(result.error())};
+  return {result->status, result->body};
+}
+
+// The metrics port's /readyz (the readiness probe where the kubelet cannot
+// speak gRPC to the server, e.g. with TLS) follows grpc.health.v1: 503 naming
+// the warm-up until it is done, 200 while serving, 503 naming the drain from
+// the moment SIGTERM's drain starts, while calls in flight still run.
+// /healthz (liveness) answers 200 throughout.
+TEST(ReadinessTest, ReadyzIsUnavailableDuringWarmUpAndDrain) {
+  ServerOptions options;
+  options.drain_seconds = 30;
+  options.engine.max_score_elements = 0;
+  options.metrics_port = 0;
+  std::pair<int, std::string> warming_ready, warming_live;
+  options.before_warm_up = [&](int metrics_port) {
+    warming_ready = HttpGet(metrics_port, "/readyz");
+    warming_live = HttpGet(metrics_port, "/healthz");
+  };
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  EXPECT_EQ(warming_ready.first, 503) << warming_ready.second;
+  EXPECT_THAT(warming_ready.second, HasSubstr("warming up"));
+  EXPECT_EQ(warming_live, std::make_pair(200, std::string("ok\n")));
+  const int port = (*server)->server().metrics_port();
+  EXPECT_EQ(HttpGet(port, "/readyz"), std::make_pair(200, std::string("ok\n")));
+
+  client::AttentionClient& client = (*server)->client();
+  v1::AttendRequest big;  // a few hundred ms of compute on two cores
+  *big.mutable_query() = Ramp({4, 8, 1024, 64});
+  big.set_need_weights(true);
+  absl::StatusOr<v1::AttendResponse> in_flight;
+  std::thread caller([&] { in_flight = client.Attend(big); });
+  ASSERT_TRUE(WaitForOneInFlight((*server)->server().metrics()));
+  std::thread stopper([&] { (*server)->server().Shutdown(); });
+  std::pair<int, std::string> draining;
+  for (int i = 0; i < 2000; ++i) {
+    draining = HttpGet(port, "/readyz");
+    if (draining.first != 200) break;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(draining.first, 503) << draining.second;
+  EXPECT_THAT(draining.second, HasSubstr("draining"));
+  EXPECT_EQ(HttpGet(port, "/healthz"), std::make_pair(200, std::string("ok\n")));
+  caller.join();
+  stopper.join();
+  EXPECT_THAT(in_flight, IsOk());  // the drain let it finish
+  EXPECT_EQ(HttpGet(port, "/readyz").first, 503);
+}
+
 // Scale-in: once a drain starts, a request on an open session is NOT_FOUND
 // naming it (the session ends with this replica: its caller recreates it on
 // another), GetSession too, and a create is UNAVAILABLE (retry elsewhere);
