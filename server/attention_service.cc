@@ -1,7 +1,9 @@
 #include "server/attention_service.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <deque>
 #include <memory>
 #include <string>
@@ -74,7 +76,8 @@ AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepo
               [metrics](int64_t reserved) { metrics->SetMemoryReserved(reserved); }),
       sessions_({options.session_memory_bytes,
                  options.session_idle_seconds > 0 ? absl::Seconds(options.session_idle_seconds)
-                                                  : absl::InfiniteDuration()},
+                                                  : absl::InfiniteDuration(),
+                 /*sweep_every=*/absl::Seconds(1)},
                 metrics) {}
 
 // A unary call's reactor: counts the call open from its start until gRPC is
@@ -222,6 +225,23 @@ absl::Status AttentionServiceImpl::CheckAnswerSize(const CallCost& cost,
       " bytes (--max_message_mb)", weights > 0 ? "; ask without need_weights" : ""));
 }
 
+absl::Status AttentionServiceImpl::ReserveMemory(const CallCost& cost,
+                                                 v1::Tensor::DType output_dtype,
+                                                 size_t wire_bytes,
+                                                 MemoryBudget::Lease* lease) {
+  ATTN_RETURN_IF_ERROR(CheckAnswerSize(cost, output_dtype));
+  // Held until answered: the parsed request (its bytes as received were freed
+  // as they were parsed), the engine's allocations, and the encoded answer
+  // (FLOAT32 tensors go out in the engine's own buffers; 16-bit ones are new).
+  const double held =
+      static_cast<double>(wire_bytes) + cost.bytes() +
+      (output_dtype == v1::Tensor::FLOAT32 ? kAnswerHeadBytes : AnswerBytes(cost, output_dtype));
+  ATTN_ASSIGN_OR_RETURN(
+      *lease,
+      memory_.Reserve(static_cast<int64_t>(std::min(held, static_cast<double>(INT64_MAX / 2)))));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerContext& context,
                                                   const v1::AttendRequest& request,
                                                   size_t wire_bytes, MemoryBudget::Lease* lease) {
@@ -243,24 +263,29 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
   ATTN_ASSIGN_OR_RETURN(job.request, OutOfMemoryAsStatus("request conversion",
                                                          [&] { return ToEngineRequest(request); }));
   AttentionArgs& args = job.request->args;
-  // Refused before admission: a bad request takes no queue slot.
-  ATTN_ASSIGN_OR_RETURN(
-      const CallCost cost, OutOfMemoryAsStatus("request validation", [&] {
-        return engine_->CostOf({&args, job.model ? job.model->layer.get() : nullptr});
-      }));
-  ATTN_RETURN_IF_ERROR(CheckAnswerSize(cost, job.request->output_dtype));
-  // Held until answered: the parsed request (its bytes as received were freed
-  // as they were parsed), the engine's allocations, and the encoded answer
-  // (FLOAT32 tensors go out in the engine's own buffers; 16-bit ones are new).
-  const v1::Tensor::DType output_dtype = job.request->output_dtype;
-  const double held =
-      static_cast<double>(wire_bytes) + cost.bytes() +
-      (output_dtype == v1::Tensor::FLOAT32 ? kAnswerHeadBytes : AnswerBytes(cost, output_dtype));
-  ATTN_ASSIGN_OR_RETURN(
-      *lease,
-      memory_.Reserve(static_cast<int64_t>(std::min(held, static_cast<double>(INT64_MAX / 2)))));
-  job.flops = cost.flops;
-  job.inline_when_idle = cost.flops <= kInlineMaxFlops;
+  // Refused before admission: a bad request takes no queue slot. A session
+  // request's cost, answer and memory depend on its sessions' rows: they are
+  // checked once it holds them (Submit). Until then its shapes are checked
+  // as the stateless call's (whose keys are its new rows), or, read-only
+  // (no rows of its own, keys of the session's dims), its query's rank.
+  if (request.has_session() && request.session().read_only()) {
+    const int64_t rank = static_cast<int64_t>(args.query.shape.size());
+    if (rank != 3 && rank != 4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "query: rank ", rank, "; a session request's query is rank 3 or 4 (", 
+          job.model ? "a model layer's: rank 3" : "rank 4 with grouped-query heads", ")"));
+    }
+  } else {
+    ATTN_ASSIGN_OR_RETURN(
+        const CallCost cost, OutOfMemoryAsStatus("request validation", [&] {
+          return engine_->CostOf({&args, job.model ? job.model->layer.get() : nullptr});
+        }));
+    if (!request.has_session()) {
+      ATTN_RETURN_IF_ERROR(ReserveMemory(cost, job.request->output_dtype, wire_bytes, lease));
+      job.flops = cost.flops;
+      job.inline_when_idle = cost.flops <= kInlineMaxFlops;
+    }
+  }
   job.max_batch_size = options_.max_batch_size;
   job.max_queue_delay = absl::Microseconds(options_.max_queue_delay_us);
   if (job.model != nullptr) {
@@ -307,6 +332,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   job->cancelled = [context] { return context->IsCancelled(); };
   const v1::Tensor::DType output_dtype = job->request->output_dtype;
   auto session = request->has_session() ? std::make_shared<SessionState>() : nullptr;
+  if (session != nullptr) session->memory = {wire_bytes, &reactor->lease()};
   job->done = [this, request, response, reactor, output_dtype, start, session](
                   absl::StatusOr<AttentionResult> result, const JobTiming& timing) {
     absl::Status status = result.status();
@@ -397,6 +423,7 @@ class AttentionServiceImpl::StreamReactor final
       const v1::Tensor::DType output_dtype = job->request->output_dtype;
       job->cancelled = [this] { return cancelled_.load(); };
       auto session = request->has_session() ? std::make_shared<SessionState>() : nullptr;
+      if (session != nullptr) session->memory = {wire_bytes, lease.get()};
       job->done = [this, request, output_dtype, start, lease, session](
                       absl::StatusOr<AttentionResult> result, const JobTiming& timing) {
         absl::StatusOr<grpc::ByteBuffer> answer = absl::UnknownError("unset");
@@ -643,27 +670,40 @@ SessionKind KindOf(const v1::AttendRequest& request, const AttentionArgs& args, 
   const TensorView& q = args.query;
   const TensorView& k = args.key.present() ? args.key : q;
   const TensorView& v = args.value.present() ? args.value : k;
+  int64_t query_dim = 0;
   if (q.shape.size() == 4) {
     kind.heads = static_cast<int32_t>(q.shape[1]);
+    kind.heads_field = "query.shape[1]";
     kind.kv_heads = k.shape[1];
     kind.key_dim = k.shape[3];
     kind.value_dim = v.shape[3];
+    query_dim = q.shape[3];
   } else {
     const int64_t heads = args.num_heads > 0 ? args.num_heads : 1;
     kind.heads = static_cast<int32_t>(heads);
+    kind.heads_field = "num_heads";
     kind.kv_heads = heads;
     kind.key_dim = k.shape[2] / heads;
     kind.value_dim = v.shape[2] / heads;
+    query_dim = q.shape[2] / heads;
   }
+  kind.query_dim = query_dim;
+  // The scale in effect: left out, SCALED_DOT's is 1/sqrt(query head dim)
+  // (as the engine's), the others' 1; a step naming the same scale is the
+  // same kind.
   const v1::Score& score = request.score();
-  kind.description = absl::StrCat("raw attention with ", kind.heads, " query heads, score ",
-                                  v1::Score::Kind_Name(score.kind()));
-  if (score.has_scale()) absl::StrAppend(&kind.description, " scale ", score.scale());
-  if (score.has_bandwidth()) absl::StrAppend(&kind.description, " bandwidth ", score.bandwidth());
+  const double scale = score.has_scale() ? score.scale()
+                       : score.kind() == v1::Score::SCALED_DOT
+                           ? 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(query_dim, 1)))
+                           : 1.0;
+  kind.score = absl::StrCat(v1::Score::Kind_Name(score.kind()), " scale ", scale);
+  if (score.has_bandwidth()) absl::StrAppend(&kind.score, " bandwidth ", score.bandwidth());
   if (score.kind() == v1::Score::ADDITIVE || score.kind() == v1::Score::BILINEAR) {
     // Their weights are the request's: the same call each time is the caller's to keep.
-    absl::StrAppend(&kind.description, " (with the request's score weights)");
+    absl::StrAppend(&kind.score, " (with the request's score weights)");
   }
+  kind.description =
+      absl::StrCat("raw attention with ", kind.heads, " query heads, score ", kind.score);
   return kind;
 }
 
@@ -695,8 +735,14 @@ absl::Status AttentionServiceImpl::Submit(Job job, const v1::AttendRequest& requ
     absl::StatusOr<CallCost> cost = OutOfMemoryAsStatus("request validation", [&] {
       return engine_->CostOf(call);
     });
+    // Then the memory the call holds, and last the caches' growth, which may
+    // evict idle sessions: a request refused here evicts none.
     absl::Status status = cost.status();
-    if (status.ok()) status = CheckAnswerSize(*cost, job.request->output_dtype);
+    if (status.ok()) {
+      status = ReserveMemory(*cost, job.request->output_dtype, session->memory.wire_bytes,
+                             session->memory.lease);
+    }
+    if (status.ok()) status = sessions_.Reserve(session->request);
     if (!status.ok()) {
       done(status, JobTiming{});
       return;
@@ -728,9 +774,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSessions(
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
   NameReplica(context);
-  if (absl::Status status = Admit(*context); !status.ok()) {
-    return FinishUnary(reactor, "CloseSessions", "", start, status);
-  }
+  absl::Status status = Admit(*context);
+  if (status.ok()) status = sessions_.CheckEnabled("ids");
+  if (!status.ok()) return FinishUnary(reactor, "CloseSessions", "", start, status);
   sessions_.Close({request->ids().begin(), request->ids().end()},
                   [this, reactor, response, start](std::vector<std::string> closed,
                                                    std::vector<std::string> not_found) {

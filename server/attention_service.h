@@ -155,15 +155,29 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   absl::Status CheckAnswerSize(const CallCost& cost, v1::Tensor::DType output_dtype) const;
   // Validates and converts `request`, which came as `wire_bytes` bytes, into a
   // job whose `done` is still unset, and reserves in `lease` the memory the
-  // call will hold until it is answered (RESOURCE_EXHAUSTED past the budget).
+  // call will hold until it is answered (RESOURCE_EXHAUSTED past the budget);
+  // for a session request, Submit does that over its sessions' rows.
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
                               const v1::AttendRequest& request, size_t wire_bytes,
                               MemoryBudget::Lease* lease);
+  // RESOURCE_EXHAUSTED, with the numbers, when the answer of a call of
+  // `cost` is too large (CheckAnswerSize) or the memory it holds until
+  // answered, with its request's `wire_bytes`, would pass the budget;
+  // otherwise reserves that memory in `lease`.
+  absl::Status ReserveMemory(const CallCost& cost, v1::Tensor::DType output_dtype,
+                             size_t wire_bytes, MemoryBudget::Lease* lease);
   // A session request's state from admission to its answer.
   struct SessionState {
     SessionRequest request;
     std::vector<KvCache*> caches;  // once begun
     bool begun = false;
+    // Its request's bytes as received and the lease its memory is reserved
+    // in, once its cost over its sessions' rows is known (the caller's,
+    // which outlives the request).
+    struct {
+      size_t wire_bytes = 0;
+      MemoryBudget::Lease* lease = nullptr;
+    } memory;
   };
   // Hands `job` to the scheduler: at once without sessions; with them, once
   // its sessions are free (SessionStore::Acquire) and checked (Begin). An

@@ -6,19 +6,54 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 
 namespace attention::server {
 namespace {
 
-std::string MiB(int64_t bytes) {
-  return absl::StrCat(static_cast<double>(bytes * 10 / (1 << 20)) / 10, " MiB");
+// "32.0 KiB", "1.03 MiB": enough digits that a small request's bytes show.
+std::string Size(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  return b < (1 << 20) ? absl::StrFormat("%.1f KiB", b / 1024)
+                       : absl::StrFormat("%.2f MiB", b / (1 << 20));
+}
+
+bool Expires(absl::Duration idle_limit) {
+  return idle_limit != absl::ZeroDuration() && idle_limit != absl::InfiniteDuration();
 }
 
 }  // namespace
 
 SessionStore::SessionStore(const Options& options, Metrics* metrics,
                            std::function<absl::Time()> now)
-    : options_(options), metrics_(metrics), now_(std::move(now)) {}
+    : options_(options), metrics_(metrics), now_(std::move(now)) {
+  if (options_.sweep_every > absl::ZeroDuration() && Expires(options_.idle_limit)) {
+    sweeper_ = std::thread([this] { Sweep(); });
+  }
+}
+
+SessionStore::~SessionStore() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (sweeper_.joinable()) sweeper_.join();
+}
+
+void SessionStore::Sweep() {
+  absl::MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.sweep_every)) {
+    ExpireLocked();
+    PublishLocked();
+  }
+}
+
+void SessionStore::ExpireIdle() {
+  absl::MutexLock lock(&mu_);
+  ExpireLocked();
+  PublishLocked();
+}
 
 absl::Status SessionStore::NotOpen(const std::string& id) {
   return absl::NotFoundError(absl::StrCat(
@@ -26,12 +61,15 @@ absl::Status SessionStore::NotOpen(const std::string& id) {
       "\" is not open (unknown, closed, expired or evicted); create it again with its rows"));
 }
 
+absl::Status SessionStore::CheckEnabled(const char* field) const {
+  if (enabled()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(field, ": sessions are off on this server (--session_memory_mb=0)"));
+}
+
 absl::StatusOr<SessionRequest> SessionStore::Parse(const v1::SessionSpec& spec,
                                                    int64_t batch) const {
-  if (!enabled()) {
-    return absl::FailedPreconditionError(
-        "session: sessions are off on this server (--session_memory_mb=0)");
-  }
+  ATTN_RETURN_IF_ERROR(CheckEnabled("session"));
   SessionRequest r;
   if (spec.ids_size() != batch) {
     return absl::InvalidArgumentError(absl::StrCat("session.ids: ", spec.ids_size(),
@@ -174,15 +212,16 @@ void SessionStore::PublishLocked() {
   if (metrics_ != nullptr) metrics_->SetSessions(static_cast<int64_t>(sessions_.size()), bytes_);
 }
 
+bool SessionStore::IdleTooLong(const Session& s, absl::Time now) const {
+  return Expires(options_.idle_limit) && now - s.last_used > options_.idle_limit;
+}
+
 void SessionStore::ExpireLocked() {
-  if (options_.idle_limit == absl::ZeroDuration() ||
-      options_.idle_limit == absl::InfiniteDuration()) {
-    return;
-  }
+  if (!Expires(options_.idle_limit)) return;
   const absl::Time now = now_();
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     const std::string id = it->first;
-    const bool expired = !held_.contains(id) && now - it->second.last_used > options_.idle_limit;
+    const bool expired = !held_.contains(id) && IdleTooLong(it->second, now);
     ++it;
     if (expired) RemoveLocked(id, "expired");
   }
@@ -217,11 +256,25 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
                                              request.positions[b], ", the session holds ",
                                              s.cache->length(), " rows; nothing was appended"));
     }
-    if (s.kind.model != kind.model || s.kind.heads != kind.heads ||
-        s.kind.description != kind.description) {
-      return absl::InvalidArgumentError(absl::StrCat("session \"", id, "\" belongs to ",
-                                                     s.kind.description, "; this request is for ",
-                                                     kind.description));
+    if (s.kind.model != kind.model) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: session \"", id, "\" belongs to ", s.kind.description,
+                       "; this request is for ", kind.description));
+    }
+    if (s.kind.heads != kind.heads) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kind.heads_field, ": session \"", id, "\" belongs to ", s.kind.description,
+                       "; this request has ", kind.heads, " query heads"));
+    }
+    if (s.kind.query_dim != kind.query_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "query: session \"", id, "\" belongs to ", s.kind.description, ", of query head dim ",
+          s.kind.query_dim, "; this request's is ", kind.query_dim));
+    }
+    if (s.kind.score != kind.score) {
+      return absl::InvalidArgumentError(absl::StrCat("score: session \"", id, "\" belongs to ",
+                                                     s.kind.description, "; this request's is ",
+                                                     kind.score));
     }
     if (request.cache_dtype != DType::kFloat32 && request.cache_dtype != s.cache->dtype()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -229,29 +282,6 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
           "; the dtype is fixed at create"));
     }
     growth += s.cache->BytesFor(s.cache->length() + request.new_rows) - s.cache->bytes();
-  }
-  // Room for the growth: evict idle sessions, least recently used first.
-  if (bytes_ + reserved_ + growth > options_.memory_bytes) {
-    std::vector<std::pair<absl::Time, std::string>> idle;
-    for (const auto& [id, s] : sessions_) {
-      if (!held_.contains(id)) idle.emplace_back(s.last_used, id);
-    }
-    std::sort(idle.begin(), idle.end());
-    int64_t freeable = 0;
-    size_t needed = 0;
-    while (needed < idle.size() && bytes_ - freeable + reserved_ + growth > options_.memory_bytes) {
-      freeable += sessions_.at(idle[needed].second).cache->bytes();
-      ++needed;
-    }
-    if (bytes_ - freeable + reserved_ + growth > options_.memory_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "session caches: this request needs ", MiB(growth), " more; ", MiB(bytes_ + reserved_),
-          " of the ", MiB(options_.memory_bytes),
-          " all sessions may hold (--session_memory_mb) are held by ", held_.size(),
-          " sessions in use and ", idle.size(),
-          " idle ones, too few to evict; close sessions or retry"));
-    }
-    for (size_t i = 0; i < needed; ++i) RemoveLocked(idle[i].second, "evicted");
   }
   std::vector<KvCache*> caches;
   caches.reserve(n);
@@ -269,10 +299,57 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
     }
     caches.push_back(sessions_.at(id).cache.get());
   }
+  request.growth = growth;
+  PublishLocked();
+  return caches;
+}
+
+absl::Status SessionStore::Reserve(SessionRequest& request) {
+  absl::MutexLock lock(&mu_);
+  const int64_t growth = request.growth, cap = options_.memory_bytes;
+  if (bytes_ + reserved_ + growth > cap) {
+    // What holds the cap: the request's own sessions, idle ones (which can
+    // be evicted, least recently used first) and those other requests hold.
+    int64_t own = 0;
+    for (const std::string& id : request.ids) {
+      auto it = sessions_.find(id);
+      if (it != sessions_.end()) own += it->second.cache->bytes();
+    }
+    if (own + growth > cap) {
+      const std::string held = own > 0 ? absl::StrCat(" more and its sessions hold ", Size(own)) : "";
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "session caches: this request's rows need ", Size(growth), held, ", more than the ",
+          Size(cap), " all sessions may hold (--session_memory_mb); send fewer rows per request"));
+    }
+    std::vector<std::pair<absl::Time, std::string>> idle;
+    int64_t idle_bytes = 0, busy = 0;
+    for (const auto& [id, s] : sessions_) {
+      if (!held_.contains(id)) {
+        idle.emplace_back(s.last_used, id);
+        idle_bytes += s.cache->bytes();
+      } else if (std::find(request.ids.begin(), request.ids.end(), id) == request.ids.end()) {
+        ++busy;
+      }
+    }
+    if (bytes_ - idle_bytes + reserved_ + growth > cap) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "session caches: this request's rows need ", Size(growth), " more, and ",
+          Size(bytes_ + reserved_), " of the ", Size(cap),
+          " all sessions may hold (--session_memory_mb) are held: ",
+          Size(bytes_ - idle_bytes - own + reserved_), " by ", busy,
+          " sessions other requests are computing, which cannot be evicted, ", Size(own),
+          " by this request's, and ", Size(idle_bytes), " by ", idle.size(),
+          " idle ones; retry once those requests end, or close sessions"));
+    }
+    std::sort(idle.begin(), idle.end());
+    for (size_t i = 0; i < idle.size() && bytes_ + reserved_ + growth > cap; ++i) {
+      RemoveLocked(idle[i].second, "evicted");
+    }
+  }
   reserved_ += growth;
   request.reserved = growth;
   PublishLocked();
-  return caches;
+  return absl::OkStatus();
 }
 
 std::vector<int64_t> SessionStore::Finish(const SessionRequest& request, bool ok) {
@@ -299,7 +376,8 @@ std::vector<int64_t> SessionStore::Finish(const SessionRequest& request, bool ok
         s.cache->Rollback();
       }
       bytes_ += s.cache->bytes() - before;
-      s.last_used = now;
+      // A failed request leaves the session as it was, its idle time too.
+      if (ok) s.last_used = now;
       positions.push_back(s.cache->length());
       if (!ok && s.created_by_holder) {
         RemoveLocked(id, "failed");
@@ -329,7 +407,13 @@ void SessionStore::Close(
     std::vector<Start> ready;
     {
       absl::MutexLock lock(&mu_);
+      // It holds its ids: those expired are ended here, and not found, as
+      // elsewhere.
+      ExpireLocked();
+      const absl::Time now = now_();
       for (const std::string& id : *shared) {
+        auto it = sessions_.find(id);
+        if (it != sessions_.end() && IdleTooLong(it->second, now)) RemoveLocked(id, "expired");
         if (sessions_.contains(id)) {
           RemoveLocked(id, "closed");
           closed.push_back(id);
@@ -346,6 +430,7 @@ void SessionStore::Close(
 }
 
 absl::StatusOr<v1::SessionInfo> SessionStore::Info(const std::string& id) {
+  ATTN_RETURN_IF_ERROR(CheckEnabled("id"));
   absl::MutexLock lock(&mu_);
   ExpireLocked();
   PublishLocked();

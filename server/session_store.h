@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -28,7 +29,13 @@ namespace attention::server {
 // query heads and the score.
 struct SessionKind {
   std::string model;        // empty: raw attention
-  std::string description;  // for errors: "model \"m\"", "raw attention, 8 query heads, ..."
+  std::string description;  // for errors: "model \"m\"", "raw attention with 8 query heads, ..."
+  // Raw attention: the field that gives the query heads ("num_heads", or
+  // "query.shape[1]" at rank 4), and the score with its effective scale
+  // ("SCALED_DOT scale 0.125"), compared by value.
+  std::string heads_field;
+  int64_t query_dim = 0;  // per head
+  std::string score;
   // The cache a new session gets.
   int64_t kv_heads = 0, key_dim = 0, value_dim = 0;
   int32_t heads = 0;
@@ -44,14 +51,18 @@ struct SessionRequest {
   DType cache_dtype = DType::kFloat32;
   // Rows this request appends to each session.
   int64_t new_rows = 0;
-  // Bytes Begin reserved for the caches' growth, until Finish.
+  // Bytes the caches grow by (Begin), and those Reserve reserved for it,
+  // until Finish.
+  int64_t growth = 0;
   int64_t reserved = 0;
 };
 
 // Thread-safe. Requests on one session are applied one at a time: a
 // request first acquires all its ids (Acquire), then checks and prepares
-// them (Begin), computes, and ends (Finish), which hands the ids to the next
-// request waiting for them.
+// them (Begin), reserves room for its rows (Reserve, which may evict idle
+// sessions: the last step before compute, so that a request refused for
+// its content evicts nothing), computes, and ends (Finish), which hands the
+// ids to the next request waiting for them.
 class SessionStore {
  public:
   struct Options {
@@ -59,14 +70,21 @@ class SessionStore {
     int64_t memory_bytes = 0;
     // How long an idle session is kept; zero or infinite: for good.
     absl::Duration idle_limit = absl::InfiniteDuration();
+    // Above zero, with an idle limit: a thread of the store's own ends
+    // expired sessions this often, so that their memory and the gauges do
+    // not wait for the next session request.
+    absl::Duration sweep_every = absl::ZeroDuration();
   };
   // `metrics` may be null; `now` is for tests.
   SessionStore(const Options& options, Metrics* metrics,
                std::function<absl::Time()> now = absl::Now);
   SessionStore(const SessionStore&) = delete;
   SessionStore& operator=(const SessionStore&) = delete;
+  ~SessionStore();
 
   bool enabled() const { return options_.memory_bytes > 0; }
+  // FAILED_PRECONDITION naming `field` when sessions are off.
+  absl::Status CheckEnabled(const char* field) const;
   const Options& options() const { return options_; }
 
   // Checks a request's session fields against its batch size: ids and
@@ -86,14 +104,21 @@ class SessionStore {
   // For a request holding its ids: NOT_FOUND for a session that is not open,
   // ALREADY_EXISTS for create on an open one, ABORTED for a position that
   // does not match, INVALID_ARGUMENT for a request of another kind or cache
-  // dtype than the session's, RESOURCE_EXHAUSTED when the rows it appends do
-  // not fit even after evicting idle sessions. On success the sessions (the
-  // new ones created) and their caches in batch-row order; on error nothing
+  // dtype than the session's. On success the sessions (the new ones
+  // created, which Finish removes again if the request fails) and their
+  // caches in batch-row order, and the request's growth; on error nothing
   // changed.
   absl::StatusOr<std::vector<KvCache*>> Begin(SessionRequest& request, const SessionKind& kind);
+  // For a begun request: reserves its growth, evicting idle sessions, least
+  // recently used first, where the caches would pass the memory limit;
+  // RESOURCE_EXHAUSTED with the numbers, and nothing evicted, when that
+  // cannot make room.
+  absl::Status Reserve(SessionRequest& request);
   // Commits (ok) or drops the request's rows in every session, removes the
   // sessions it created if it failed, closes them if it asked and succeeded,
-  // and releases its ids. Returns each session's position after it.
+  // and releases its ids. Only a request that succeeded counts as its
+  // sessions' use (their idle time and order of eviction). Returns each
+  // session's position after it.
   std::vector<int64_t> Finish(const SessionRequest& request, bool ok);
 
   // CloseSessions: closes the open ones among `ids` once no request holds
@@ -102,12 +127,15 @@ class SessionStore {
              std::function<void(std::vector<std::string> closed,
                                 std::vector<std::string> not_found)>
                  done);
-  // GetSession; NOT_FOUND naming the id.
+  // GetSession; NOT_FOUND naming the id, FAILED_PRECONDITION when sessions
+  // are off.
   absl::StatusOr<v1::SessionInfo> Info(const std::string& id);
 
   // Sessions open and the bytes of their caches.
   int64_t open() const;
   int64_t bytes() const;
+  // Ends the sessions idle past the limit now (what the sweeper does).
+  void ExpireIdle();
 
   static constexpr size_t kMaxIdBytes = 128;
 
@@ -130,8 +158,12 @@ class SessionStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts waiters freed by a release, on this thread, one after another.
   static void RunReady(std::vector<Start> ready);
+  // Whether `s`, not in use, would have expired by `now`.
+  bool IdleTooLong(const Session& s, absl::Time now) const;
   // Removes idle sessions past the idle limit.
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The sweeper's loop, until the store is destroyed.
+  void Sweep();
   void RemoveLocked(const std::string& id, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status NotOpen(const std::string& id);
@@ -145,6 +177,8 @@ class SessionStore {
   std::deque<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // caches' blocks
   int64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // growth of requests computing
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sweeper_;  // last: it starts once the rest is built
 };
 
 }  // namespace attention::server

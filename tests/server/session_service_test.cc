@@ -2,6 +2,7 @@
 // stateless call over every row sent so far; every error names the session
 // and leaves every session as it was; limits, eviction, expiry, concurrency.
 
+#include <cmath>
 #include <atomic>
 #include <filesystem>
 #include <memory>
@@ -273,7 +274,9 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
        "session \"errors\" is already open (position 5)"},
       {"position", Step("errors", 4, one), absl::StatusCode::kAborted,
        "the request is for position 4, the session holds 5 rows"},
-      {"heads", Step("errors", 5, one), absl::StatusCode::kInvalidArgument, "belongs to"},
+      {"heads", Step("errors", 5, one), absl::StatusCode::kInvalidArgument,
+       "num_heads: session \"errors\" belongs to raw attention with 2 query heads, score "
+       "SCALED_DOT scale 0.353553; this request has 4 query heads"},
       {"mask", Step("errors", 5, one), absl::StatusCode::kInvalidArgument, "mask.causal: TOP_LEFT"},
       {"ids", Step("errors", 5, one), absl::StatusCode::kInvalidArgument,
        "session.ids: 2 ids do not match the batch size 1"},
@@ -292,6 +295,18 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
     EXPECT_EQ(after->position(), before->position()) << c.name;
     EXPECT_EQ(after->bytes(), before->bytes()) << c.name;
   }
+  // The score named with its default scale is the session's; another is not.
+  v1::AttendRequest scaled = Step("errors", 5, one);
+  scaled.mutable_session()->set_read_only(true);
+  scaled.mutable_score()->set_kind(v1::Score::SCALED_DOT);
+  scaled.mutable_score()->set_scale(1 / std::sqrt(8.0f));
+  EXPECT_THAT(client().Attend(scaled), IsOk());
+  scaled.mutable_score()->set_scale(0.5f);
+  EXPECT_THAT(client().Attend(scaled),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("score: session \"errors\" belongs to raw attention with 2 query "
+                                 "heads, score SCALED_DOT scale 0.353553; this request's is "
+                                 "SCALED_DOT scale 0.5")));
   // A failed create leaves no session behind.
   v1::AttendRequest bad_create = Step("never", 0, one, true);
   bad_create.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
@@ -311,6 +326,43 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
   EXPECT_THAT(Info("errors"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"errors\"")));
   const v1::CloseSessionsResponse closed = Close({"errors", "nobody"});
   EXPECT_THAT(closed.not_found(), ElementsAre("errors", "nobody"));
+}
+
+// A read-only step has no rows of its own: its keys are the session's, of
+// their own dim (6 here, against the query's 4, through a bilinear score).
+TEST_F(SessionServiceTest, ReadOnlyStepsTakeTheSessionsKeyDim) {
+  v1::AttendRequest create;
+  *create.mutable_query() = Floats({1, 3, 4}, RandomValues(12, 80));
+  const std::vector<float> k = RandomValues(18, 81), v = RandomValues(18, 82);
+  *create.mutable_key() = Floats({1, 3, 6}, k);
+  *create.mutable_value() = Floats({1, 3, 6}, v);
+  create.mutable_score()->set_kind(v1::Score::BILINEAR);
+  *create.mutable_score()->mutable_w() = Floats({4, 6}, RandomValues(24, 83));
+  create.mutable_session()->add_ids("bilinear");
+  create.mutable_session()->add_positions(0);
+  create.mutable_session()->set_create(true);
+  ASSERT_THAT(client().Attend(create), IsOk());
+  v1::AttendRequest read = create;
+  read.clear_key();
+  read.clear_value();
+  *read.mutable_query() = Floats({1, 1, 4}, RandomValues(4, 84));
+  read.mutable_session()->set_create(false);
+  read.mutable_session()->set_positions(0, 3);
+  read.mutable_session()->set_read_only(true);
+  absl::StatusOr<v1::AttendResponse> got = client().Attend(read);
+  ASSERT_THAT(got, IsOk());
+  v1::AttendRequest whole = read;
+  whole.clear_session();
+  *whole.mutable_key() = Floats({1, 3, 6}, k);
+  *whole.mutable_value() = Floats({1, 3, 6}, v);
+  absl::StatusOr<v1::AttendResponse> want = client().Attend(whole);
+  ASSERT_THAT(want, IsOk());
+  ExpectNear(Output(*got), Output(*want), 1e-5f);
+  // A read-only query of another rank is refused before it waits for its session.
+  *read.mutable_query() = Floats({4}, RandomValues(4, 85));
+  EXPECT_THAT(client().Attend(read),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("query: rank 1")));
+  Close({"bilinear"});
 }
 
 // Several threads step one session, each retrying on ABORTED with the
@@ -441,6 +493,16 @@ TEST(SessionLimitsTest, EvictionExpiryAndMemory) {
   };
   EXPECT_EQ(info("s0"), grpc::StatusCode::NOT_FOUND);  // the least recently used
   EXPECT_EQ(info("s4"), grpc::StatusCode::OK);
+  // The cache is full: a step on s4 (one more block) would evict s1, but
+  // this one, whose mask the engine refuses for sessions, is refused first
+  // and evicts nothing.
+  v1::AttendRequest top_left = request("s4", 1, 128);
+  top_left.mutable_session()->set_create(false);
+  top_left.mutable_session()->set_positions(0, 256);
+  top_left.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
+  EXPECT_THAT(c.Attend(top_left),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mask.causal: TOP_LEFT")));
+  EXPECT_EQ(info("s1"), grpc::StatusCode::OK);
   EXPECT_THAT(c.Attend(request("huge", 2048, 128)),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("all sessions may hold (--session_memory_mb)")));
@@ -453,6 +515,63 @@ TEST(SessionLimitsTest, EvictionExpiryAndMemory) {
   EXPECT_THAT(metrics, HasSubstr("\nattention_sessions_open 0\n"));
   EXPECT_THAT(metrics, HasSubstr("attention_sessions_ended_total{reason=\"evicted\"} 1\n"));
   EXPECT_THAT(metrics, HasSubstr("attention_sessions_ended_total{reason=\"expired\"} 4\n"));
+}
+
+// With sessions off every session call says so, rather than NOT_FOUND
+// (which tells a caller to recreate the session).
+TEST(SessionLimitsTest, SessionsOffAreAFailedPrecondition) {
+  ServerOptions options;
+  options.session_memory_mb = 0;
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  client::AttentionClient& c = (*server)->client();
+  v1::AttendRequest r;
+  *r.mutable_query() = Floats({1, 1, 4}, RandomValues(4, 95));
+  r.mutable_session()->add_ids("s");
+  r.mutable_session()->add_positions(0);
+  r.mutable_session()->set_create(true);
+  EXPECT_THAT(c.Attend(r), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                    HasSubstr("session: sessions are off on this server")));
+  auto stub = v1::AttentionService::NewStub(c.channel());
+  grpc::ClientContext info_context;
+  v1::GetSessionRequest info_request;
+  info_request.set_id("s");
+  v1::SessionInfo info;
+  const grpc::Status got = stub->GetSession(&info_context, info_request, &info);
+  EXPECT_EQ(got.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(got.error_message(), HasSubstr("id: sessions are off on this server"));
+  grpc::ClientContext close_context;
+  v1::CloseSessionsRequest close_request;
+  close_request.add_ids("s");
+  v1::CloseSessionsResponse closed;
+  EXPECT_EQ(stub->CloseSessions(&close_context, close_request, &closed).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+// A session request's memory is its cost over the session's rows: weights
+// over 20,000 cached keys pass a 4 MiB budget, as the stateless call's do.
+TEST(SessionLimitsTest, SessionRequestsKeepToTheMemoryBudget) {
+  ServerOptions options;
+  options.memory_budget_mb = 4;
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  client::AttentionClient& c = (*server)->client();
+  v1::AttendRequest create;
+  *create.mutable_query() = Floats({1, 20000, 4}, RandomValues(80000, 90));
+  create.mutable_session()->add_ids("long");
+  create.mutable_session()->add_positions(0);
+  create.mutable_session()->set_create(true);
+  ASSERT_THAT(c.Attend(create), IsOk());
+  v1::AttendRequest read;
+  *read.mutable_query() = Floats({1, 64, 4}, RandomValues(256, 91));
+  read.set_need_weights(true);
+  read.mutable_session()->add_ids("long");
+  read.mutable_session()->add_positions(20000);
+  read.mutable_session()->set_read_only(true);
+  EXPECT_THAT(c.Attend(read), StatusIs(absl::StatusCode::kResourceExhausted,
+                                       HasSubstr("more than the server's whole memory budget")));
+  read.set_need_weights(false);
+  EXPECT_THAT(c.Attend(read), IsOk());
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 // SessionStore on its own: the order requests get their sessions in, that a
-// long line of waiters does not nest, expiry by a fake clock, eviction order
-// and that a failed request changes nothing.
+// long line of waiters does not nest, expiry by a fake clock and by the
+// sweeper, eviction order, the numbers when nothing can be evicted, and that
+// a failed request changes nothing: no eviction, no use.
 
 #include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -111,29 +113,117 @@ TEST(SessionStoreTest, FailedRequestsChangeNothingAndIdleSessionsExpire) {
   EXPECT_EQ(store.bytes(), 0);
 }
 
-TEST(SessionStoreTest, EvictsTheLeastRecentlyUsedIdleSessionOnly) {
-  absl::Time now = absl::FromUnixSeconds(1000);
-  const int64_t block = KvCache::kBlockRows * 8 * 4;  // one block of 4 + 4 floats a row
-  SessionStore store({2 * block, absl::InfiniteDuration()}, nullptr, [&] { return now; });
-  for (const char* id : {"old", "new"}) {
+// Creates idle sessions `ids` of one row each, a second apart.
+void CreateIdle(SessionStore& store, absl::Time& now, const std::vector<std::string>& ids) {
+  for (const std::string& id : ids) {
     SessionRequest r = Request(id, 0, true, 1);
+    store.Acquire(r.ids, [](bool) {});
     absl::StatusOr<std::vector<KvCache*>> caches = store.Begin(r, Kind());
     ASSERT_THAT(caches, IsOk());
+    ASSERT_THAT(store.Reserve(r), IsOk());
     Append(*caches, 1);
     store.Finish(r, true);
     now += absl::Seconds(1);
   }
-  // "new" is in use: only "old" may go.
+}
+
+TEST(SessionStoreTest, EvictsTheLeastRecentlyUsedIdleSessionOnly) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  const int64_t block = KvCache::kBlockRows * 8 * 4;  // 2 KiB: a block of 4 + 4 floats a row
+  SessionStore store({2 * block, absl::InfiniteDuration()}, nullptr, [&] { return now; });
+  CreateIdle(store, now, {"old", "new"});
+  // "new" is in use: only "old" may go, and only once "third" reserves.
   store.Acquire({"new"}, [](bool) {});
   SessionRequest third = Request("third", 0, true, 1);
   store.Acquire({"third"}, [](bool) {});
   ASSERT_THAT(store.Begin(third, Kind()), IsOk());
+  EXPECT_THAT(store.Info("old"), IsOk());
+  ASSERT_THAT(store.Reserve(third), IsOk());
   EXPECT_THAT(store.Info("old"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("old")));
   EXPECT_THAT(store.Info("new"), IsOk());
-  // Nothing idle is left to evict for a fourth.
+  // Nothing idle is left to evict for a fourth: refused with the numbers,
+  // and its new session goes again.
   SessionRequest fourth = Request("fourth", 0, true, 1);
-  EXPECT_THAT(store.Begin(fourth, Kind()),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("--session_memory_mb")));
+  store.Acquire({"fourth"}, [](bool) {});
+  ASSERT_THAT(store.Begin(fourth, Kind()), IsOk());
+  EXPECT_THAT(store.Reserve(fourth),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("this request's rows need 2.0 KiB more, and 4.0 KiB of the "
+                                 "4.0 KiB all sessions may hold (--session_memory_mb) are held: "
+                                 "4.0 KiB by 2 sessions other requests are computing, which "
+                                 "cannot be evicted, 0.0 KiB by this request's, and 0.0 KiB by 0 "
+                                 "idle ones; retry once those requests end")));
+  store.Finish(fourth, false);
+  EXPECT_THAT(store.Info("fourth"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("not open")));
+  EXPECT_EQ(store.open(), 2);
+}
+
+TEST(SessionStoreTest, ARequestRefusedBeforeItReservesEvictsNothingAndUsesNothing) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  const int64_t block = KvCache::kBlockRows * 8 * 4;
+  SessionStore store({2 * block, absl::InfiniteDuration()}, nullptr, [&] { return now; });
+  CreateIdle(store, now, {"a", "b"});
+  // A new session's request that fails after Begin (the engine refused its
+  // shapes, say): the cache is full, yet nothing was evicted.
+  SessionRequest create = Request("c", 0, true, 1);
+  store.Acquire(create.ids, [](bool) {});
+  ASSERT_THAT(store.Begin(create, Kind()), IsOk());
+  store.Finish(create, false);
+  EXPECT_THAT(store.Info("a"), IsOk());
+  EXPECT_THAT(store.Info("b"), IsOk());
+  EXPECT_THAT(store.Info("c"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("not open")));
+  // A failed step on "a", the older, leaves it the least recently used.
+  absl::StatusOr<v1::SessionInfo> before = store.Info("a");
+  SessionRequest step = Request("a", 1, false, 1);
+  store.Acquire(step.ids, [](bool) {});
+  ASSERT_THAT(store.Begin(step, Kind()), IsOk());
+  store.Finish(step, false);
+  EXPECT_EQ(store.Info("a")->idle_ms(), before->idle_ms());
+  CreateIdle(store, now, {"d"});
+  EXPECT_THAT(store.Info("a"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("not open")));
+  EXPECT_THAT(store.Info("b"), IsOk());
+}
+
+TEST(SessionStoreTest, ARequestLargerThanTheLimitIsToldSo) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  const int64_t block = KvCache::kBlockRows * 8 * 4;
+  SessionStore store({2 * block, absl::InfiniteDuration()}, nullptr, [&] { return now; });
+  CreateIdle(store, now, {"a"});
+  SessionRequest big = Request("big", 0, true, 3 * KvCache::kBlockRows);
+  store.Acquire(big.ids, [](bool) {});
+  ASSERT_THAT(store.Begin(big, Kind()), IsOk());
+  EXPECT_THAT(store.Reserve(big),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("this request's rows need 6.0 KiB, more than the 4.0 KiB all "
+                                 "sessions may hold (--session_memory_mb); send fewer rows")));
+  store.Finish(big, false);
+  EXPECT_THAT(store.Info("a"), IsOk());  // not evicted for nothing
+}
+
+TEST(SessionStoreTest, ClosingAnExpiredSessionFindsNothing) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  SessionStore store({int64_t{1} << 20, absl::Seconds(10)}, nullptr, [&] { return now; });
+  CreateIdle(store, now, {"e"});
+  now += absl::Seconds(11);
+  std::vector<std::string> closed, not_found;
+  store.Close({"e"}, [&](std::vector<std::string> c, std::vector<std::string> n) {
+    closed = std::move(c);
+    not_found = std::move(n);
+  });
+  EXPECT_TRUE(closed.empty());
+  EXPECT_THAT(not_found, ElementsAre("e"));
+}
+
+TEST(SessionStoreTest, TheSweeperEndsExpiredSessionsWithoutARequest) {
+  SessionStore store({int64_t{1} << 20, absl::Milliseconds(50), absl::Milliseconds(10)}, nullptr);
+  absl::Time now = absl::Now();
+  CreateIdle(store, now, {"s"});
+  ASSERT_GT(store.bytes(), 0);
+  // Bounded wait: no request touches the store meanwhile.
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (store.open() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(store.open(), 0);
+  EXPECT_EQ(store.bytes(), 0);
 }
 
 }  // namespace
