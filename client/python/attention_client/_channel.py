@@ -3,6 +3,7 @@ the C++ client's: reconnect backoffs, retries of UNAVAILABLE on unary calls,
 message size), TLS credentials, the bearer token, and the health check's
 hand-encoded messages (grpc.health.v1 has no stubs in Debian's grpcio)."""
 import json
+import numbers
 
 import grpc
 
@@ -55,11 +56,15 @@ class Settings:
                  max_message_mb):
         if (tls_cert is None) != (tls_key is None):
             raise invalid("tls_cert and tls_key go together; only one is set")
-        if timeout is not None and not timeout > 0:
-            raise invalid(f"timeout: {timeout!r} is not a positive number of seconds or None")
+        if not isinstance(target, str) or not target:
+            raise invalid(f"target: {target!r} is not a gRPC target (a str: \"host:port\")")
         self.target = target
-        self.timeout = timeout
+        self.timeout = None
+        self.timeout = self.call_timeout(timeout)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        if isinstance(max_message_mb, bool) or not isinstance(max_message_mb, numbers.Integral) \
+                or not 0 < max_message_mb < 2048:
+            raise invalid(f"max_message_mb: {max_message_mb!r} is not an int from 1 to 2047")
         max_bytes = int(max_message_mb) << 20
         self.options = [
             ("grpc.max_send_message_length", max_bytes),
@@ -74,11 +79,16 @@ class Settings:
             self.options.append(("grpc.ssl_target_name_override", tls_server_name))
         self.tls = tls_ca is not None or tls_cert is not None
         self.credentials = None
+        ca = _read("tls_ca", tls_ca)
         if self.tls:
             self.credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read("tls_ca", tls_ca),
-                private_key=_read("tls_key", tls_key),
+                root_certificates=ca, private_key=_read("tls_key", tls_key),
                 certificate_chain=_read("tls_cert", tls_cert))
+        # What a pickled RemoteMultiheadAttention makes its client again from:
+        # the constructor's arguments but the secrets (token, client
+        # certificate and key), which are not written into saved models.
+        self.public_arguments = {"tls_ca": ca, "tls_server_name": tls_server_name,
+                                 "timeout": timeout, "max_message_mb": max_message_mb}
 
     def call_metadata(self, affinity):
         """A call's metadata: the token's, and "attention-affinity" when the
@@ -90,7 +100,12 @@ class Settings:
 
     def call_timeout(self, timeout):
         """The deadline of one call: its own timeout, or the client's."""
-        return self.timeout if timeout is ... else timeout
+        if timeout is ...:
+            return self.timeout
+        if timeout is not None and (isinstance(timeout, (bool, str, bytes)) or
+                                    not isinstance(timeout, numbers.Real) or not timeout > 0):
+            raise invalid(f"timeout: {timeout!r} is not a positive number of seconds or None")
+        return timeout
 
 
 def health_request(service):

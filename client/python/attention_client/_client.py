@@ -1,8 +1,10 @@
 """attention_client.Client: blocking calls."""
+import time
+
 import grpc
 
 from attention_client import _channel, _request, _session, _wire
-from attention_client._errors import from_rpc_error, invalid
+from attention_client._errors import AttentionError, closed_client, from_rpc_error, invalid
 from attention_client._proto.attention.v1 import model_pb2, service_pb2, service_pb2_grpc
 
 
@@ -31,8 +33,10 @@ class Client:
         self._attend_stream = self._channel.stream_stream(_channel.SERVICE + "AttendStream")
         self._health = self._channel.unary_unary(_channel.HEALTH_CHECK)
         self._stub = service_pb2_grpc.AttentionServiceStub(self._channel)
+        self._closed = False
 
     def close(self):
+        self._closed = True
         self._channel.close()
 
     def __enter__(self):
@@ -42,6 +46,8 @@ class Client:
         self.close()
 
     def _call(self, method, request, timeout, affinity=None):
+        if self._closed:
+            raise closed_client()
         try:
             return method(request, timeout=self._settings.call_timeout(timeout),
                           metadata=self._settings.call_metadata(affinity))
@@ -63,22 +69,26 @@ class Client:
         one AttendStream and yields an Answer per request as the server answers
         it. A request without an id gets its index as one. A request the server
         refuses is answered with .error set, and the stream goes on; a failure
-        of the whole stream raises AttentionError."""
-        kinds = {}
-
-        def encoded():
-            for index, item in enumerate(requests):
-                yield _request.build_stream_item(index, item, fields, kinds)
-
-        call = self._attend_stream(encoded(), timeout=self._settings.call_timeout(timeout),
+        of the whole stream raises AttentionError. A request refused before
+        sending (INVALID_ARGUMENT, "requests[i]: ...") ends the requests: those
+        before it are answered, then it is raised (as is an exception raised
+        by `requests` itself)."""
+        if self._closed:
+            raise closed_client()
+        encoded = _request.StreamRequests(requests, fields)
+        call = self._attend_stream(iter(encoded), timeout=self._settings.call_timeout(timeout),
                                    metadata=self._settings.metadata)
         try:
             for raw in call:
-                yield _wire.decode_stream(raw, kinds)
+                yield _wire.decode_stream(raw, encoded.kinds)
         except grpc.RpcError as e:
+            if encoded.error is not None:
+                raise encoded.error from None
             raise from_rpc_error(e) from None
         finally:
             call.cancel()
+        if encoded.error is not None:
+            raise encoded.error
 
     def session(self, id=None, *, keep_rows=False, cache_dtype="float32", affinity=None,
                 stream=False, **fields):
@@ -139,33 +149,61 @@ class Session(_session.SessionBase):
         value = key) to the session: a batch of one, [1, S_new, E]
         ([S_new, 1, E] with layout="sequence_first") or [1, H, S_new, D].
         The first step creates the session. Returns the Answer, over every row
-        the session holds; a failed step changes nothing."""
+        the session holds. A step the server refuses changes nothing; after one
+        whose outcome is unknown (DEADLINE_EXCEEDED, UNAVAILABLE, ABORTED, an
+        interrupt, ...) the next step first asks the server where the session
+        is (GetSession, _session.SessionCore.resync)."""
         core = self._core
         step = core.prepare(query, key, value)
+        if core.resync_needed:
+            self._resync(timeout)
         try:
-            raw = self._client._call(self._client._attend, core.request(step), timeout,
-                                     core.affinity)
-        except grpc.RpcError as e:
-            if not core.may_recreate(e):
-                raise
-            request, base = core.recreation(step)
-            answer = _wire.decode(self._client._call(self._client._attend, request, timeout,
-                                                      core.affinity),
-                                  step[3])
-            core.advance(step, base, answer, recreated=True)
-            return answer
-        answer = _wire.decode(raw, step[3])
-        core.advance(step, core.position, answer)
+            try:
+                raw = self._client._call(self._client._attend, core.request(step), timeout,
+                                         core.affinity)
+                answer = _wire.decode(raw, step[3])
+                base, recreated = core.position, False
+            except grpc.RpcError as e:
+                if not core.may_recreate(e):
+                    raise
+                request, base = core.recreation(step)
+                answer = _wire.decode(self._client._call(self._client._attend, request, timeout,
+                                                          core.affinity), step[3])
+                recreated = True
+        except BaseException as e:
+            core.failed(step, e)
+            raise
+        core.advance(step, base, answer, recreated=recreated)
+        core.succeeded()
         return answer
+
+    def _resync(self, timeout):
+        """Where the server has the session, once no request holds it (or the
+        timeout has passed)."""
+        core = self._core
+        wait = self._client._settings.call_timeout(timeout)
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:
+            try:
+                info = self._client.get_session(core.id, timeout=timeout, affinity=core.affinity)
+            except AttentionError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                info = None
+            if (info is None or info.idle_ms != 0 or
+                    (deadline is not None and time.monotonic() >= deadline)):
+                break
+            time.sleep(_session.RESYNC_POLL_S)
+        core.resync(info)
 
     def close(self, *, timeout=...):
         """Closes the session on the server (OK if it no longer had it); later
         steps fail FAILED_PRECONDITION."""
         if self._core.closed:
             return
-        if self._core.created:
+        if self._core.created or self._core.unsure:  # an unsure first step may have created it
             self._client.close_sessions([self.id], timeout=timeout,
-                                              affinity=self._core.affinity)
+                                        affinity=self._core.affinity)
         self._core.closed = True
 
     def __enter__(self):

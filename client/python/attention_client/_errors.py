@@ -15,6 +15,12 @@ class AttentionError(grpc.RpcError):
         self._code = code
         self._message = message
 
+    def __reduce__(self):
+        # pickle and copy rebuild it from (code, message), not from args (the
+        # one string __init__ gave the base class): a multiprocessing worker's
+        # error reaches its parent.
+        return type(self), (self._code, self._message)
+
     def code(self):
         return self._code
 
@@ -24,6 +30,12 @@ class AttentionError(grpc.RpcError):
 
 def invalid(message):
     return AttentionError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def closed_client():
+    """A call on a client after its close()."""
+    return AttentionError(grpc.StatusCode.FAILED_PRECONDITION,
+                          "the client is closed (close() or the end of its with block)")
 
 
 def code_of(number):

@@ -1,9 +1,10 @@
 """An AttendRequest from attend()'s arguments, named after the wire's fields."""
 import numbers
+import operator
 import sys
 
 from attention_client import _wire
-from attention_client._errors import invalid
+from attention_client._errors import AttentionError, invalid
 from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2
 
 AttendRequest = attention_pb2.AttendRequest
@@ -77,6 +78,27 @@ def build(query, key, value, fields, session=None):
     return _wire.encode(head, tensors), _wire.kind_of(query)
 
 
+def _set(message, attr, name, value, convert, want):
+    """message.attr = convert(value); INVALID_ARGUMENT naming `name` when
+    `value` is not `want` (of the wrong type, or out of the field's range)."""
+    try:
+        setattr(message, attr, convert(value))
+    except (TypeError, ValueError, OverflowError):
+        raise invalid(f"{name}: {value!r} is not {want}") from None
+
+
+def _string(value):
+    if not isinstance(value, str):
+        raise TypeError
+    return value
+
+
+def _float(value):
+    if isinstance(value, (str, bytes)):
+        raise TypeError
+    return float(value)
+
+
 def _head(fields, session, tensors):
     """The bytes of the request's fields but its tensors; the tensor fields
     among `fields` are appended to `tensors`."""
@@ -90,17 +112,18 @@ def _head(fields, session, tensors):
     if get("id") is not None:
         request.id = str(get("id"))
     if get("model"):
-        request.model = get("model")
+        _set(request, "model", "model", get("model"), _string, "a model name (a str)")
     if get("num_heads"):
-        request.num_heads = int(get("num_heads"))
+        _set(request, "num_heads", "num_heads", get("num_heads"), operator.index,
+             "an int32 (an int below 2**31)")
     if get("layout") is not None:
         request.layout = _enum("layout", AttendRequest.Layout, get("layout"))
     if get("score") is not None:
         request.score.kind = _enum("score", Score.Kind, get("score"))
     if get("scale") is not None:
-        request.score.scale = float(get("scale"))
+        _set(request.score, "scale", "scale", get("scale"), _float, "a number")
     if get("bandwidth") is not None:
-        request.score.bandwidth = float(get("bandwidth"))
+        _set(request.score, "bandwidth", "bandwidth", get("bandwidth"), _float, "a number")
     for name in ("w_q", "w_k", "w_v", "w", "valid_lens", "key_padding_mask", "attn_mask"):
         tensor(name, get(name))
     if get("causal") is not None:
@@ -112,9 +135,10 @@ def _head(fields, session, tensors):
     if get("precision") is not None:
         request.precision = _enum("precision", AttendRequest.Precision, get("precision"))
     if get("dropout_p"):
-        request.dropout_p = float(get("dropout_p"))
+        _set(request, "dropout_p", "dropout_p", get("dropout_p"), _float, "a number")
     if get("seed"):
-        request.seed = int(get("seed"))
+        _set(request, "seed", "seed", get("seed"), operator.index,
+             "a uint64 (an int from 0 to 2**64 - 1)")
     if session is not None:
         request.session.CopyFrom(session)
     return request.SerializeToString()
@@ -123,12 +147,55 @@ def _head(fields, session, tensors):
 def build_stream_item(index, item, fields, kinds):
     """The bytes of the `index`-th request of a stream: `item` (a dict of
     attend()'s arguments) over the stream's `fields`, its id defaulting to
-    its index. Records the answer's kind under the id in `kinds`."""
+    its index. Records the answer's kind under the id in `kinds`. A request
+    refused here is INVALID_ARGUMENT naming it: "requests[2]: query: ..."."""
     args = dict(fields)
-    args.update(item)
+    try:
+        args.update(item)
+    except (TypeError, ValueError):
+        raise invalid(f"requests[{index}]: a {type(item).__name__}, not a dict of attend()'s "
+                      "arguments") from None
     if args.get("id") in (None, ""):
         args["id"] = str(index)
     query, key, value = args.pop("query", None), args.pop("key", None), args.pop("value", None)
-    raw, kind = build(query, key, value, args)
+    try:
+        raw, kind = build(query, key, value, args)
+    except AttentionError as e:
+        raise AttentionError(e.code(), f"requests[{index}]: {e.details()}") from None
     kinds.setdefault(str(args["id"]), []).append(kind)
     return raw
+
+
+class StreamRequests:
+    """The bytes of a stream's requests, for grpcio to send. grpcio swallows
+    an exception raised while it takes the next request (the call fails
+    UNKNOWN, or is cancelled on asyncio), so a request refused here, or an
+    exception of `requests` itself, ends the requests instead (the stream is
+    half-closed; the requests before it are answered) and is kept in
+    `error`, raised by the client once the answers have come."""
+
+    def __init__(self, requests, fields):
+        self.requests = requests
+        self.fields = fields
+        self.kinds = {}
+        self.error = None
+
+    def __iter__(self):
+        try:
+            for index, item in enumerate(self.requests):
+                yield build_stream_item(index, item, self.fields, self.kinds)
+        except Exception as e:  # noqa: BLE001 - raised again by the client
+            self.error = e
+
+    async def __aiter__(self):
+        try:
+            if hasattr(self.requests, "__aiter__"):
+                index = 0
+                async for item in self.requests:
+                    yield build_stream_item(index, item, self.fields, self.kinds)
+                    index += 1
+            else:
+                for index, item in enumerate(self.requests):
+                    yield build_stream_item(index, item, self.fields, self.kinds)
+        except Exception as e:  # noqa: BLE001 - raised again by the client
+            self.error = e

@@ -3,7 +3,16 @@ client/session.h does in C++. The id and positions are filled in, the first
 step creates the session, and with keep_rows every key and value row sent is
 kept so that a step answered NOT_FOUND is retried once as a recreation: one
 create request carrying every kept row and then the step's, whose answer is
-the step's answer."""
+the step's answer.
+
+A step that fails without the server's refusal (past its deadline, its task
+cancelled, the connection lost, ABORTED after a resend) may have been applied
+all the same. Its outcome is unknown, so the next step first asks the server
+(GetSession) how many rows the session holds and goes on from there: the
+step counts as applied when the server holds its rows too (with keep_rows,
+they are then kept), and with keep_rows a count that no such step explains
+is FAILED_PRECONDITION rather than kept rows that no longer match the
+server's."""
 import uuid
 
 import grpc
@@ -15,6 +24,16 @@ from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2
 
 _MAX_ID_BYTES = 128
 _STEP_FIELDS = ("query", "key", "value", "id")
+# Failures after which the server may have applied the step: not its refusal.
+# ABORTED (position mismatch) is the answer to a resend of a step whose first
+# attempt was applied (gRPC's retries of unary steps, a stream step's resends).
+_UNSURE_CODES = frozenset({
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DATA_LOSS})
+# While a request holds the session (GetSession's idle_ms 0) the one whose
+# outcome is unknown may still be appending: its wait between GetSessions.
+RESYNC_POLL_S = 0.02
 
 
 class _RowLog:
@@ -93,6 +112,10 @@ class SessionCore:
         self.recreations = 0
         self.keys = _RowLog("key") if keep_rows else None
         self.values = _RowLog("value") if keep_rows else None
+        # Steps sent at `position` whose outcome is unknown, and whether the
+        # next step asks the server first (resync).
+        self.unsure = []
+        self.resync_needed = False
 
     def _axis(self, name, rows):
         if len(rows.shape) == 3:
@@ -149,10 +172,11 @@ class SessionCore:
         return _request.build(q, all_keys, all_values, self.fields, spec)[0], base
 
     def advance(self, step, base, answer, recreated=False):
-        """After an OK answer to `step` sent at position `base`."""
+        """After an OK answer to `step` sent at position `base` (None: a
+        step the server turned out to have applied, on resync)."""
         self.created = True
         keys, values = self._rows(step)
-        if len(answer.session_positions) == 1:
+        if answer is not None and len(answer.session_positions) == 1:
             self.position = answer.session_positions[0]
         else:
             self.position = base + keys.shape[self._axis("key", keys)]
@@ -161,6 +185,59 @@ class SessionCore:
         if self.keys is not None:
             self.keys.append(keys, self._axis("key", keys))
             self.values.append(values, self._axis("value", values))
+
+    def succeeded(self):
+        """After an answered step: no step before it can still be applied (its
+        position has passed)."""
+        self.unsure = []
+        self.resync_needed = False
+
+    def failed(self, step, error):
+        """After `step` raised `error`: a failure that is not the server's
+        refusal (an AttentionError of _UNSURE_CODES, or any other exception,
+        as a cancelled task's) leaves its outcome unknown."""
+        code = error.code() if isinstance(error, grpc.RpcError) else None
+        if code is None or code in _UNSURE_CODES:
+            self.unsure.append(step)
+            self.resync_needed = True
+
+    def resync(self, info):
+        """Before a step after one whose outcome is unknown: `info` is the
+        server's SessionInfo, or None when it has no such session."""
+        if info is None:
+            # Never created, or lost (the step is then NOT_FOUND, recreated
+            # from the kept rows): nothing of the unsure steps is held.
+            self.succeeded()
+            return
+        held = int(info.position)
+        if self.created and held == self.position:
+            self.resync_needed = False  # none applied (yet): a later one is ABORTED
+            return
+        applied = [step for step in self.unsure
+                   if self.position + self._count(step) == held]
+        if self.keys is None:
+            self.created = True
+            self.position = held
+            self.succeeded()
+            return
+        if applied and all(self._same_rows(step, applied[0]) for step in applied[1:]):
+            self.advance(applied[0], self.position, None)
+            self.succeeded()
+            return
+        raise AttentionError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"session {self.id}: the server holds {held} rows, the client {self.position} "
+            f"and {len(self.unsure)} step(s) whose outcome is unknown, none of which makes "
+            f"{held}: the kept rows no longer match the server's (another writer?); close "
+            "the session and open another")
+
+    def _count(self, step):
+        keys, _ = self._rows(step)
+        return keys.shape[self._axis("key", keys)]
+
+    def _same_rows(self, a, b):
+        return all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x.array, y.array)
+                   for x, y in zip(self._rows(a), self._rows(b)))
 
     @property
     def kept_bytes(self):

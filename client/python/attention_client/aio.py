@@ -17,7 +17,7 @@ import grpc
 
 from attention_client import _channel, _request, _session, _wire
 from attention_client._client import Client as _BlockingClient
-from attention_client._errors import AttentionError, from_rpc_error
+from attention_client._errors import AttentionError, closed_client, from_rpc_error
 from attention_client._proto.attention.v1 import model_pb2, service_pb2, service_pb2_grpc
 from attention_client._wire import Answer
 
@@ -40,8 +40,10 @@ class Client:
         self._attend_stream = self._channel.stream_stream(_channel.SERVICE + "AttendStream")
         self._health = self._channel.unary_unary(_channel.HEALTH_CHECK)
         self._stub = service_pb2_grpc.AttentionServiceStub(self._channel)
+        self._closed = False
 
     async def close(self):
+        self._closed = True
         await self._channel.close()
 
     async def __aenter__(self):
@@ -51,6 +53,8 @@ class Client:
         await self.close()
 
     async def _call(self, method, request, timeout, affinity=None):
+        if self._closed:
+            raise closed_client()
         try:
             return await method(request, timeout=self._settings.call_timeout(timeout),
                                 metadata=self._settings.call_metadata(affinity))
@@ -65,27 +69,23 @@ class Client:
     async def attend_stream(self, requests, *, timeout=..., **fields):
         """As attention_client.Client.attend_stream; `requests` may be an
         iterable or an async iterable of dicts."""
-        kinds = {}
-
-        async def encoded():
-            if hasattr(requests, "__aiter__"):
-                index = 0
-                async for item in requests:
-                    yield _request.build_stream_item(index, item, fields, kinds)
-                    index += 1
-            else:
-                for index, item in enumerate(requests):
-                    yield _request.build_stream_item(index, item, fields, kinds)
-
-        call = self._attend_stream(encoded(), timeout=self._settings.call_timeout(timeout),
+        if self._closed:
+            raise closed_client()
+        encoded = _request.StreamRequests(requests, fields)
+        call = self._attend_stream(encoded.__aiter__(),
+                                   timeout=self._settings.call_timeout(timeout),
                                    metadata=self._settings.metadata)
         try:
             async for raw in call:
-                yield _wire.decode_stream(raw, kinds)
+                yield _wire.decode_stream(raw, encoded.kinds)
         except grpc.RpcError as e:
+            if encoded.error is not None:
+                raise encoded.error from None
             raise from_rpc_error(e) from None
         finally:
             call.cancel()
+        if encoded.error is not None:
+            raise encoded.error
 
     def session(self, id=None, *, keep_rows=False, cache_dtype="float32", affinity=None,
                 stream=False, **fields):
@@ -129,10 +129,11 @@ class _StepStream:
     step whose stream ends UNAVAILABLE (the server ended it OK without
     answering, as a draining replica does, or the connection failed) is sent
     again on a new stream, by the channel's retry policy for unary steps
-    (_channel.RETRY_ATTEMPTS and the backoffs beside it): safe, since a session
-    request whose position has passed is ABORTED, never appended twice. A
-    step past its timeout cancels the stream (a late answer would answer the
-    next step)."""
+    (_channel.RETRY_ATTEMPTS and the backoffs beside it), all attempts and
+    the waits between them within the step's timeout: safe, since a session
+    request whose position has passed is ABORTED, never appended twice (the
+    next step then asks where the session is: _session). A step past its
+    timeout cancels the stream (a late answer would answer the next step)."""
 
     def __init__(self, client, affinity):
         self._client = client
@@ -141,19 +142,35 @@ class _StepStream:
         self.opened = 0  # streams opened so far
 
     async def send(self, request, timeout):
-        """The answer's bytes to `request`; AttentionError when the stream fails."""
+        """The answer's bytes to `request`; AttentionError when the stream
+        fails. `timeout` bounds every attempt and the waits between them."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         backoff = _channel.RETRY_FIRST_BACKOFF_S
         for attempt in range(1, _channel.RETRY_ATTEMPTS + 1):
             try:
-                return await self._exchange(request, timeout)
+                return await self._exchange(request, deadline, timeout)
             except AttentionError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _channel.RETRY_ATTEMPTS:
                     raise
-            await asyncio.sleep(random.uniform(0, backoff))
+            pause = random.uniform(0, backoff)
+            if deadline is not None:
+                pause = max(0.0, min(pause, deadline - loop.time()))
+            await asyncio.sleep(pause)
             backoff = min(backoff * _channel.RETRY_BACKOFF_MULTIPLIER,
                           _channel.RETRY_MAX_BACKOFF_S)
 
-    async def _exchange(self, request, timeout):
+    async def _exchange(self, request, deadline, timeout):
+        """One attempt, until `deadline` (loop time; None: none) of the step's
+        `timeout`."""
+        if self._client._closed:
+            raise closed_client()
+        left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+        if left is not None and left <= 0:
+            raise AttentionError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no answer on the session's AttendStream within {timeout} s (its attempts "
+                "on streams that ended unanswered took it all)")
         if self._call is None:
             self._call = self._client._attend_stream(metadata=self._metadata)
             self.opened += 1
@@ -164,7 +181,7 @@ class _StepStream:
             return await call.read()
 
         try:
-            answer = await asyncio.wait_for(write_and_read(), timeout)
+            answer = await asyncio.wait_for(write_and_read(), left)
         except asyncio.TimeoutError:
             self.cancel()
             raise AttentionError(
@@ -233,24 +250,51 @@ class Session(_session.SessionBase):
     async def step(self, query, key=None, value=None, *, timeout=...):
         core = self._core
         step = core.prepare(query, key, value)
+        if core.resync_needed:
+            await self._resync(timeout)
         try:
-            answer = await self._send(core.request(step), step[3], timeout)
-        except grpc.RpcError as e:
-            if not core.may_recreate(e):
-                raise
-            request, base = core.recreation(step)
-            answer = await self._send(request, step[3], timeout)
-            core.advance(step, base, answer, recreated=True)
-            return answer
-        core.advance(step, core.position, answer)
+            try:
+                answer = await self._send(core.request(step), step[3], timeout)
+                base, recreated = core.position, False
+            except grpc.RpcError as e:
+                if not core.may_recreate(e):
+                    raise
+                request, base = core.recreation(step)
+                answer = await self._send(request, step[3], timeout)
+                recreated = True
+        except BaseException as e:  # also a cancelled task's: the server may have applied it
+            core.failed(step, e)
+            raise
+        core.advance(step, base, answer, recreated=recreated)
+        core.succeeded()
         return answer
+
+    async def _resync(self, timeout):
+        """As attention_client.Session._resync."""
+        core = self._core
+        loop = asyncio.get_running_loop()
+        wait = self._client._settings.call_timeout(timeout)
+        deadline = None if wait is None else loop.time() + wait
+        while True:
+            try:
+                info = await self._client.get_session(core.id, timeout=timeout,
+                                                      affinity=core.affinity)
+            except AttentionError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                info = None
+            if info is None or info.idle_ms != 0 or (deadline is not None and
+                                                      loop.time() >= deadline):
+                break
+            await asyncio.sleep(_session.RESYNC_POLL_S)
+        core.resync(info)
 
     async def close(self, *, timeout=...):
         if self._core.closed:
             return
         if self._stream is not None:
             await self._stream.close(self._client._settings.call_timeout(timeout))
-        if self._core.created:
+        if self._core.created or self._core.unsure:  # an unsure first step may have created it
             await self._client.close_sessions([self.id], timeout=timeout,
                                               affinity=self._core.affinity)
         self._core.closed = True

@@ -6,6 +6,7 @@
 export_model(mha, "models/my_layer") writes a local torch.nn.MultiheadAttention
 as a model folder the server loads (docs/models.md).
 """
+import copy
 import json
 import os
 import struct
@@ -29,7 +30,9 @@ class RemoteMultiheadAttention(torch.nn.Module):
     exposes it as torch's attributes (embed_dim, num_heads, kdim, vdim,
     head_dim, batch_first). `client` is an attention_client.Client to share
     (then `target` may be None); the layer has no parameters of its own, and
-    runs the layer as in eval mode (the model config has no dropout)."""
+    runs the layer as in eval mode (the model config has no dropout). A deep
+    copy shares the client; pickle and torch.save write it as its target and
+    non-secret arguments, and loading makes a Client of them (docs/python.md)."""
 
     def __init__(self, target, model, *, batch_first=False, client=None):
         super().__init__()
@@ -45,10 +48,48 @@ class RemoteMultiheadAttention(torch.nn.Module):
         self.num_heads = int(c.num_heads)
         self.kdim = int(c.kdim) or self.embed_dim
         self.vdim = int(c.vdim) or self.embed_dim
-        self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
         self.head_dim = self.embed_dim // self.num_heads
         self.batch_first = bool(batch_first)
         self.dropout = 0.0
+        # torch.nn.TransformerEncoderLayer and TransformerEncoder in eval mode
+        # take a fused fast path that reads the projection weights themselves
+        # (in_proj_weight, in_proj_bias, out_proj) when _qkv_same_embed_dim is
+        # True. The weights are the server's: False (as torch's own layer with
+        # kdim or vdim != embed_dim has it) makes them call forward() instead,
+        # and the weights torch would read are None, as torch's are when absent.
+        self._qkv_same_embed_dim = False
+        self.in_proj_weight = self.in_proj_bias = None
+
+    def __deepcopy__(self, memo):
+        # A copy (as nn.TransformerEncoder and TransformerDecoder make of their
+        # layer) shares the client: one channel, its token and TLS kept.
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        state = {k: v for k, v in self.__dict__.items() if k != "client"}
+        copied.__dict__.update(copy.deepcopy(state, memo))
+        copied.__dict__["client"] = self.client
+        return copied
+
+    def __getstate__(self):
+        # pickle and torch.save: the client as its target and arguments but
+        # the secrets (a gRPC channel does not pickle); __setstate__ makes a
+        # Client of them.
+        settings = getattr(self.client, "_settings", None)
+        if settings is None:
+            raise invalid(f"RemoteMultiheadAttention: cannot pickle a layer whose client is a "
+                          f"{type(self.client).__name__}, not an attention_client.Client")
+        state = self.__dict__.copy()
+        state["client"] = (settings.target, settings.public_arguments)
+        # The generated message classes are not importable by the name pickle
+        # would record: the config travels as its bytes.
+        state["config"] = self.config.SerializeToString()
+        return state
+
+    def __setstate__(self, state):
+        target, arguments = state.pop("client")
+        state["config"] = model_pb2.ModelConfig.FromString(state["config"])
+        super().__setstate__(state)
+        self.client = Client(target, **arguments)
 
     def extra_repr(self):
         return (f"model={self.model!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
@@ -112,6 +153,10 @@ def _attn_mask(mask, batch, num_heads):
     """torch's 3-D attn_mask [B * H, L, S] is the wire's [B, H, L, S]."""
     mask = _mask(mask)
     if mask is not None and mask.dim() == 3:
+        if mask.shape[0] != batch * num_heads:
+            raise invalid(f"attn_mask: 3-D shape {list(mask.shape)} is not [batch * num_heads, "
+                          f"L, S] with batch * num_heads = {batch} * {num_heads} = "
+                          f"{batch * num_heads}")
         mask = mask.reshape(batch, num_heads, mask.shape[1], mask.shape[2])
     return mask
 

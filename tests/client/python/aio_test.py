@@ -10,7 +10,7 @@ import torch
 
 import attention_client
 from attention_client import aio
-from attention_client._proto.attention.v1 import attention_pb2
+from attention_client._proto.attention.v1 import attention_pb2, service_pb2
 from reference import attention
 from server_fixture import Server
 
@@ -61,6 +61,28 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(by_id["4"].error.code(), grpc.StatusCode.INVALID_ARGUMENT)
         self.assertEqual(by_id["2"].weights.shape, (1, 1, 2, 2))
 
+    async def test_a_request_refused_before_sending_ends_the_stream_with_its_error(self):
+        q = randn(51, 1, 2, 4)
+
+        async def requests():
+            yield {"query": q, "id": "a"}
+            yield {"query": np.zeros((1, 2, 4), np.uint8)}
+            yield {"query": q, "id": "c"}
+
+        for label, source, text in [
+                ("async", requests(), "requests[1]: query: numpy dtype uint8"),
+                ("iterable", [{"query": q, "id": "a"}, {"query": q, "heads": 2}],
+                 "requests[1]: unknown field(s) heads")]:
+            answers = []
+            with self.subTest(label), self.assertRaises(attention_client.AttentionError) as e:
+                async for answer in self.client.attend_stream(source):
+                    answers.append(answer)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(text, e.exception.details())
+            self.assertEqual([a.id for a in answers], ["a"])
+            np.testing.assert_allclose(answers[0].output, attention(q, q, q), rtol=1e-5,
+                                       atol=1e-6)
+
     async def test_session_steps_and_recreation(self):
         rows = randn(60, 1, 2, 4, 8)
         session = self.client.session(keep_rows=True, causal="bottom_right")
@@ -106,6 +128,21 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
             await self.client.get_session(session.id)
         self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
 
+    async def test_calls_after_close_are_failed_precondition(self):
+        closed = aio.Client(server.target)
+        sessions = [closed.session(num_heads=1), closed.session(num_heads=1, stream=True)]
+        await closed.close()
+        calls = [closed.attend(randn(71, 1, 2, 4)), closed.health(),
+                 *(s.step(randn(71, 1, 2, 4)) for s in sessions)]
+        for call in calls:
+            with self.assertRaises(attention_client.AttentionError) as e:
+                await call
+            self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("the client is closed", e.exception.details())
+        with self.assertRaises(attention_client.AttentionError) as e:
+            await self.client.attend(randn(71, 1, 2, 4), num_heads="x")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+
     async def test_info_models_health_and_errors(self):
         self.assertEqual(await self.client.health(), "SERVING")
         self.assertTrue((await self.client.server_info()).version)
@@ -121,12 +158,43 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
     """A session's stream against a stand-in AttendStream: `behave(stream,
     message)` (both counted from 1) says what each message gets: "answer"
     (its query as output, position + rows), "end" (the stream ends OK
-    unanswered), "unavailable" (ends UNAVAILABLE) or "hang" (never answered).
-    CloseSessions is answered OK."""
+    unanswered), "unavailable" (ends UNAVAILABLE; "slow unavailable" after
+    0.2 s), "hang" (never answered) or
+    "late" (applied, then answered after 0.5 s). The stand-in holds each
+    session's position as the server does: a message at another position is
+    answered ABORTED, and an applied one appends its rows; GetSession reports
+    it (idle_ms 0 while a "late" message holds the session), CloseSessions is
+    answered OK, and unary Attend is "answer" or "late" by `behave(0, n)`."""
 
     async def asyncSetUp(self):
         self.streams = []  # per stream: (metadata, [requests])
+        self.unary = []  # unary Attend requests
         self.behave = lambda stream, message: "answer"
+        self.held = {}  # session id -> position
+        self.busy = set()
+
+        async def apply(request, what):
+            """The response's bytes to `request` after `what`, or None."""
+            sid, position = request.session.ids[0], request.session.positions[0]
+            if sid not in self.held and not request.session.create:
+                return attention_pb2.AttendResponse(status=attention_pb2.Status(
+                    code=grpc.StatusCode.NOT_FOUND.value[0],
+                    message=f"session {sid} is not open")).SerializeToString()
+            if self.held.get(sid, 0) != position:
+                return attention_pb2.AttendResponse(status=attention_pb2.Status(
+                    code=grpc.StatusCode.ABORTED.value[0],
+                    message=f"session {sid} holds {self.held.get(sid, 0)} rows, not "
+                            f"{position}")).SerializeToString()
+            rows = request.key if request.HasField("key") else request.query
+            self.held[sid] = position + rows.shape[1]
+            if what == "late":
+                self.busy.add(sid)
+                try:
+                    await asyncio.sleep(0.5)
+                finally:  # also when the call is cancelled
+                    self.busy.discard(sid)
+            return attention_pb2.AttendResponse(
+                output=request.query, session_positions=[self.held[sid]]).SerializeToString()
 
         async def attend_stream(requests, context):
             seen = []
@@ -137,15 +205,30 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 what = self.behave(stream, len(seen))
                 if what == "end":
                     return
+                if what == "slow unavailable":
+                    await asyncio.sleep(0.2)
+                    what = "unavailable"
                 if what == "unavailable":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "replica draining")
                 if what == "hang":
                     await asyncio.sleep(3600)
-                request = seen[-1]
-                yield attention_pb2.AttendResponse(
-                    output=request.query,
-                    session_positions=[request.session.positions[0] +
-                                       request.query.shape[1]]).SerializeToString()
+                yield await apply(seen[-1], what)
+
+        async def attend(raw, context):
+            self.unary.append(attention_pb2.AttendRequest.FromString(raw))
+            answer = attention_pb2.AttendResponse.FromString(
+                await apply(self.unary[-1], self.behave(0, len(self.unary))))
+            if answer.status.code:
+                await context.abort(attention_client._errors.code_of(answer.status.code),
+                                    answer.status.message)
+            return answer.SerializeToString()
+
+        async def get_session(raw, context):
+            sid = service_pb2.GetSessionRequest.FromString(raw).id
+            if sid not in self.held:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"session {sid} is not open")
+            return service_pb2.SessionInfo(id=sid, position=self.held[sid], idle_ms=0 if sid in
+                                           self.busy else 1).SerializeToString()
 
         async def close_sessions(raw, context):
             self.closed.append(raw)
@@ -154,11 +237,14 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.closed = []  # CloseSessions requests
         handler = grpc.method_handlers_generic_handler("attention.v1.AttentionService", {
             "AttendStream": grpc.stream_stream_rpc_method_handler(attend_stream),
+            "Attend": grpc.unary_unary_rpc_method_handler(attend),
+            "GetSession": grpc.unary_unary_rpc_method_handler(get_session),
             "CloseSessions": grpc.unary_unary_rpc_method_handler(close_sessions)})
         self.fake = grpc.aio.server(handlers=[handler])
         port = self.fake.add_insecure_port("127.0.0.1:0")
         await self.fake.start()
-        self.client = aio.Client(f"127.0.0.1:{port}", timeout=10)
+        self.target = f"127.0.0.1:{port}"
+        self.client = aio.Client(self.target, timeout=10)
         self.session = self.client.session("decoder-9", affinity="user-3", num_heads=1,
                                            stream=True)
 
@@ -188,6 +274,18 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(self.positions(), [[0]] * 4)
         self.assertEqual((self.session.position, self.session.open), (0, False))
 
+    async def test_the_attempts_of_a_step_share_its_timeout(self):
+        self.behave = lambda stream, message: "slow unavailable"
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with self.assertRaises(attention_client.AttentionError) as e:
+            await self.session.step(randn(88, 1, 2, 4), timeout=0.5)
+        elapsed = loop.time() - start
+        self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertIn("within 0.5 s", e.exception.details())
+        self.assertLess(elapsed, 0.5 + 0.15)  # not 4 attempts of 0.2 s and their waits
+        self.assertIn(len(self.streams), (2, 3))
+
     async def test_a_step_past_its_timeout_cancels_the_stream(self):
         self.behave = lambda stream, message: "hang" if stream == 1 else "answer"
         with self.assertRaises(attention_client.AttentionError) as e:
@@ -208,6 +306,85 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         answer = await self.session.step(randn(87, 1, 2, 4))
         self.assertEqual(answer.session_positions, [2])
         self.assertEqual(self.session.streams_opened, 2)
+
+    async def check_resynced(self, session, rows, step, keep_rows):
+        """`rows` [1, 4, 4] went in as steps of 2 and 1 rows and then `step`
+        (the 3rd) raised after the stand-in applied it: the next step goes on
+        where the stand-in is, and with keep_rows a lost session is recreated
+        from every row it held."""
+        self.assertEqual(session.position, 2)
+        answer = await step(rows[:, 3:4])
+        self.assertEqual((answer.session_positions, session.position), ([4], 4))
+        self.assertEqual(self.held[session.id], 4)
+        if keep_rows:
+            self.assertEqual(session.kept_bytes, 2 * 4 * 4 * 4)
+            del self.held[session.id]  # lost: NOT_FOUND, recreated
+            more = randn(99, 1, 1, 4)
+            answer = await step(more)
+            self.assertEqual((answer.session_positions, session.recreations), ([5], 1))
+            sent = self.unary[-1] if self.unary else self.streams[-1][1][-1]
+            self.assertTrue(sent.session.create)
+            np.testing.assert_array_equal(
+                np.frombuffer(sent.key.data, np.float32).reshape(sent.key.shape),
+                np.concatenate([rows, more], axis=1))
+
+    async def test_a_cancelled_step_the_server_applied_is_resynced(self):
+        # Unary steps and steps on a stream; the task cancelled (wait_for) or
+        # the step past its own timeout, after the stand-in applied it.
+        for stream, keep_rows, cancel in [(False, False, True), (False, True, True),
+                                          (True, True, False), (True, False, True)]:
+            with self.subTest(stream=stream, keep_rows=keep_rows, cancel=cancel):
+                self.unary, self.streams = [], []
+                session = self.client.session(f"s-{stream}-{keep_rows}", num_heads=1,
+                                              stream=stream, keep_rows=keep_rows)
+                late = 2 if stream else len(self.unary) + 2
+                self.behave = lambda st, message: "late" if message == late else "answer"
+                rows = randn(98, 1, 4, 4)
+                await session.step(rows[:, :2])
+                if cancel:
+                    with self.assertRaises(asyncio.TimeoutError):
+                        await asyncio.wait_for(session.step(rows[:, 2:3]), 0.2)
+                else:
+                    with self.assertRaises(attention_client.AttentionError) as e:
+                        await session.step(rows[:, 2:3], timeout=0.2)
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+                self.assertEqual(self.held[session.id], 3)  # applied all the same
+                await self.check_resynced(session, rows, session.step, keep_rows)
+                await session.close()
+
+    async def test_a_blocking_step_past_its_timeout_the_server_applied_is_resynced(self):
+        for keep_rows in (False, True):
+            with self.subTest(keep_rows=keep_rows), attention_client.Client(self.target,
+                                                                             timeout=10) as c:
+                self.unary = []
+                self.behave = lambda st, message: "late" if message == 2 else "answer"
+                session = c.session(f"blocking-{keep_rows}", num_heads=1, keep_rows=keep_rows)
+                step = lambda *args, **kw: asyncio.to_thread(session.step, *args, **kw)
+                rows = randn(97, 1, 4, 4)
+                await step(rows[:, :2])
+                with self.assertRaises(attention_client.AttentionError) as e:
+                    await step(rows[:, 2:3], timeout=0.2)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+                await self.check_resynced(session, rows, step, keep_rows)
+                await asyncio.to_thread(session.close)
+
+    async def test_kept_rows_that_no_longer_match_the_server_are_refused(self):
+        session = self.client.session("diverged", num_heads=1, keep_rows=True)
+        self.behave = lambda st, message: "late" if message == 2 else "answer"
+        rows = randn(96, 1, 4, 4)
+        await session.step(rows[:, :2])
+        with self.assertRaises(asyncio.TimeoutError):
+            await asyncio.wait_for(session.step(rows[:, 2:3]), 0.2)
+        await asyncio.sleep(0.6)
+        self.held["diverged"] += 5  # another writer's rows
+        for _ in range(2):
+            with self.assertRaises(attention_client.AttentionError) as e:
+                await session.step(rows[:, 3:4])
+            self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("the server holds 8 rows, the client 2", e.exception.details())
+        self.assertEqual(len(self.unary), 2)  # nothing sent since
+        await session.close()
+        self.assertEqual(len(self.closed), 1)
 
 
 if __name__ == "__main__":

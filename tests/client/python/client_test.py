@@ -146,6 +146,40 @@ class ErrorTest(unittest.TestCase):
             self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
             self.assertIn(text, e.exception.details())
 
+    def test_arguments_of_the_wrong_type_or_range_are_invalid_argument(self):
+        q = randn(8, 1, 2, 4)
+        for kwargs, text in [({"seed": -1}, "seed: -1 is not a uint64"),
+                             ({"seed": 2 ** 64}, "seed: 18446744073709551616 is not a uint64"),
+                             ({"num_heads": "x"}, "num_heads: 'x' is not an int32"),
+                             ({"num_heads": 2 ** 40}, "num_heads: 1099511627776 is not an int32"),
+                             ({"scale": "x"}, "scale: 'x' is not a number"),
+                             ({"dropout_p": "x"}, "dropout_p: 'x' is not a number"),
+                             ({"model": 123}, "model: 123 is not a model name"),
+                             ({"timeout": "x"}, "timeout: 'x' is not a positive number")]:
+            with self.subTest(**kwargs), self.assertRaises(AttentionError) as e:
+                client.attend(q, **kwargs)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(text, e.exception.details())
+        for kwargs, text in [({"target": 123}, "target: 123"),
+                             ({"timeout": "x"}, "timeout: 'x'"),
+                             ({"max_message_mb": "x"}, "max_message_mb: 'x'")]:
+            with self.subTest(**kwargs), self.assertRaises(AttentionError) as e:
+                attention_client.Client(**dict({"target": server.target}, **kwargs))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(text, e.exception.details())
+
+    def test_calls_after_close_are_failed_precondition(self):
+        closed = attention_client.Client(server.target)
+        session = closed.session(num_heads=1)
+        closed.close()
+        for call in (lambda: closed.attend(randn(8, 1, 2, 4)), closed.health,
+                     lambda: list(closed.attend_stream([{"query": randn(8, 1, 2, 4)}])),
+                     lambda: session.step(randn(8, 1, 2, 4))):
+            with self.assertRaises(AttentionError) as e:
+                call()
+            self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("the client is closed", e.exception.details())
+
     def test_a_call_longer_than_its_timeout_is_deadline_exceeded(self):
         # 34 GFLOP: several hundred ms of compute on any machine, against 50 ms.
         long_call = np.ones((1, 4, 4096, 128), np.float32)
@@ -201,6 +235,37 @@ class StreamTest(unittest.TestCase):
         self.assertIsNone(answers["2"].output)
         self.assertEqual(answers["z"].error.code(), grpc.StatusCode.NOT_FOUND)
         self.assertIsNone(answers["a"].error)
+
+    def test_a_request_refused_before_sending_ends_the_stream_with_its_error(self):
+        q = randn(26, 1, 2, 3, 4)
+        for bad, text in [({"query": np.zeros((1, 2, 4), np.uint8)},
+                           "requests[1]: query: numpy dtype uint8"),
+                          ({"query": q, "heads": 2}, "requests[1]: unknown field(s) heads"),
+                          ({"query": q, "causal": "left"}, "requests[1]: causal: 'left'"),
+                          ("not a dict", "requests[1]: a str, not a dict")]:
+            answers = []
+            with self.subTest(text=text), self.assertRaises(AttentionError) as e:
+                for answer in client.attend_stream(iter([{"query": q, "id": "a"}, bad,
+                                                         {"query": q, "id": "c"}])):
+                    answers.append(answer)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(text, e.exception.details())
+            # The requests before it are answered; none after it is sent.
+            self.assertEqual([a.id for a in answers], ["a"])
+            np.testing.assert_allclose(answers[0].output, attention(q, q, q), rtol=1e-5,
+                                       atol=1e-6)
+        with self.assertRaises(AttentionError) as e:
+            list(client.attend_stream([{"query": q}], heads=2))
+        self.assertIn("requests[0]: unknown field(s) heads", e.exception.details())
+
+    def test_an_exception_of_the_requests_iterable_is_raised_as_it_is(self):
+        def requests():
+            yield {"query": randn(27, 1, 2, 3, 4)}
+            raise KeyError("the caller's own")
+
+        with self.assertRaises(KeyError) as e:
+            list(client.attend_stream(requests()))
+        self.assertIn("the caller's own", str(e.exception))
 
     def test_a_failed_stream_raises(self):
         with attention_client.Client("127.0.0.1:1", timeout=5) as nowhere:

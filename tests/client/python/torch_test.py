@@ -2,9 +2,12 @@
 swapped for RemoteMultiheadAttention gives the original's output; layers
 written by export_model are served."""
 import copy
+import io
 import os
+import pickle
 import tempfile
 import unittest
+import warnings
 
 import grpc
 import torch
@@ -88,6 +91,105 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
     def test_swapped_batch_first_layer_gives_the_original_output(self):
         self.swap_and_compare("enc_batch", batch_first=True)
 
+    def encoder_layer(self):
+        """A batch_first TransformerEncoderLayer around LAYERS["enc_batch"]'s weights."""
+        torch.manual_seed(5)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        layer.self_attn.load_state_dict(LAYERS["enc_batch"].state_dict())
+        return layer.eval()
+
+    def test_transformer_encoder_layers_in_eval_mode_call_forward(self):
+        # In eval mode under no_grad, torch's encoder takes its fused fast path
+        # unless self_attn says it cannot (_qkv_same_embed_dim False); the
+        # remote layer has no projection weights to read.
+        local = self.encoder_layer()
+        remote = copy.deepcopy(local)
+        remote.self_attn = RemoteMultiheadAttention(None, "enc_batch", batch_first=True,
+                                                    client=client)
+        local_encoder = torch.nn.TransformerEncoder(self.encoder_layer(), 2).eval()
+        remote_encoder = copy.deepcopy(local_encoder)
+        for layer in remote_encoder.layers:
+            layer.self_attn = RemoteMultiheadAttention(None, "enc_batch", batch_first=True,
+                                                       client=client)
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(3, 7, 16, generator=g)
+        padding = torch.zeros(3, 7, dtype=torch.bool)
+        padding[1, 5:] = True
+        padding[2, 2:] = True
+        with torch.no_grad():
+            self.assertClose(remote(x), local(x))
+            self.assertClose(remote(x, src_key_padding_mask=padding),
+                             local(x, src_key_padding_mask=padding))
+            self.assertClose(remote_encoder(x), local_encoder(x))
+            # torch's fast path pads the rows of padded positions with zeros.
+            got = remote_encoder(x, src_key_padding_mask=padding)
+            with warnings.catch_warnings():  # "nested tensors are in prototype stage"
+                warnings.simplefilter("ignore", UserWarning)
+                want = local_encoder(x, src_key_padding_mask=padding)
+            self.assertClose(got[~padding], want[~padding])
+        self.assertIsNone(remote.self_attn.in_proj_weight)
+        self.assertFalse(remote.self_attn._qkv_same_embed_dim)
+
+    def test_copies_share_the_client_and_make_a_transformer_decoder(self):
+        remote = RemoteMultiheadAttention(None, "enc_batch", batch_first=True, client=client)
+        twin = copy.deepcopy(remote)
+        self.assertIsNot(twin, remote)
+        self.assertIs(twin.client, client)
+        self.assertEqual((twin.model, twin.embed_dim, twin.num_heads, twin.batch_first),
+                         ("enc_batch", 16, 2, True))
+        # nn.TransformerDecoder deep-copies its layer num_layers times.
+        torch.manual_seed(7)
+        local_layer = torch.nn.TransformerDecoderLayer(16, 2, dim_feedforward=32,
+                                                       batch_first=True)
+        local_layer.self_attn.load_state_dict(LAYERS["enc_batch"].state_dict())
+        local_layer.multihead_attn.load_state_dict(LAYERS["enc_batch"].state_dict())
+        remote_layer = copy.deepcopy(local_layer)
+        remote_layer.self_attn = remote
+        remote_layer.multihead_attn = RemoteMultiheadAttention(None, "enc_batch",
+                                                               batch_first=True, client=client)
+        local = torch.nn.TransformerDecoder(local_layer, 2).eval()
+        swapped = torch.nn.TransformerDecoder(remote_layer, 2).eval()
+        self.assertEqual({layer.self_attn.client for layer in swapped.layers}, {client})
+        g = torch.Generator().manual_seed(8)
+        tgt, memory = torch.randn(3, 5, 16, generator=g), torch.randn(3, 7, 16, generator=g)
+        causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+        padding = torch.zeros(3, 7, dtype=torch.bool)
+        padding[1, 4:] = True
+        with torch.no_grad():
+            self.assertClose(swapped(tgt, memory, tgt_mask=causal,
+                                     memory_key_padding_mask=padding),
+                             local(tgt, memory, tgt_mask=causal, memory_key_padding_mask=padding))
+
+    def test_torch_save_and_load_make_a_client_to_the_same_target(self):
+        remote = RemoteMultiheadAttention(server.target, "cross", batch_first=True)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+        model.attn = remote
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        remote.client.close()
+        saved.seek(0)
+        loaded = torch.load(saved).attn
+        self.assertIsInstance(loaded.client, attention_client.Client)
+        self.assertIsNot(loaded.client, remote.client)
+        self.assertEqual((loaded.model, loaded.kdim, loaded.vdim, loaded.batch_first),
+                         ("cross", 6, 10, True))
+        g = torch.Generator().manual_seed(9)
+        q, k = torch.randn(2, 4, 16, generator=g), torch.randn(2, 6, 6, generator=g)
+        v = torch.randn(2, 6, 10, generator=g)
+        layer = copy.deepcopy(LAYERS["cross"])
+        layer.batch_first = True
+        with torch.no_grad():
+            got, got_w = loaded(q, k, v)
+            want, want_w = layer(q, k, v)
+        self.assertClose(got, want)
+        self.assertClose(got_w, want_w)
+        loaded.client.close()
+        # A client's token is not written into the saved layer.
+        with attention_client.Client(server.target, token="s3cret-token") as with_token:
+            saved = pickle.dumps(RemoteMultiheadAttention(None, "cross", client=with_token))
+        self.assertNotIn(b"s3cret-token", saved)
+        self.assertEqual(pickle.loads(saved).client._settings.metadata, None)
+
     def test_forward_arguments_as_torch(self):
         layer, remote = LAYERS["cross"], RemoteMultiheadAttention(None, "cross", client=client)
         g = torch.Generator().manual_seed(2)
@@ -110,6 +212,15 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
                     self.assertIsNone(got_w)
                 else:
                     self.assertClose(got_w, want_w)
+
+    def test_a_3d_attn_mask_of_the_wrong_size_is_invalid_argument(self):
+        remote = RemoteMultiheadAttention(None, "enc_seq", client=client)
+        x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(10))  # [L, B, E]
+        with self.assertRaises(attention_client.AttentionError) as e:
+            remote(x, x, x, attn_mask=torch.zeros(3 * 4, 4, 4))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("attn_mask: 3-D shape [12, 4, 4] is not [batch * num_heads, L, S] with "
+                      "batch * num_heads = 2 * 4 = 8", e.exception.details())
 
     def test_causal_and_unbatched_inputs(self):
         layer = LAYERS["enc_batch"]

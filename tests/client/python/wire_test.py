@@ -1,6 +1,9 @@
 """The hand-appended tensors of a request parse, with protobuf, as the
 request a protobuf-built one would be; bfloat16 bits travel unchanged; an
-answer's hand-read fields are what protobuf reads."""
+answer's hand-read fields are what protobuf reads; AttentionError pickles."""
+import copy
+import multiprocessing
+import pickle
 import unittest
 
 import grpc
@@ -126,6 +129,29 @@ class WireTest(unittest.TestCase):
                     _wire.decode(raw, _wire.NUMPY)
                 self.assertEqual(e.exception.code(), grpc.StatusCode.INTERNAL)
         np.testing.assert_array_equal(_wire.decode(good, _wire.NUMPY).output, np.zeros(3))
+
+class AttentionErrorTest(unittest.TestCase):
+    def assertSameError(self, got, want):
+        self.assertIsInstance(got, AttentionError)
+        self.assertEqual((got.code(), got.details(), str(got)),
+                         (want.code(), want.details(), str(want)))
+
+    def test_pickle_and_copy_keep_code_and_message(self):
+        error = AttentionError(grpc.StatusCode.NOT_FOUND, 'model: "nope" is not served')
+        self.assertSameError(pickle.loads(pickle.dumps(error)), error)
+        self.assertSameError(copy.copy(error), error)
+        self.assertSameError(copy.deepcopy(error), error)
+
+    def test_an_error_raised_in_a_pool_worker_reaches_the_caller(self):
+        # A worker's exception is pickled back to the pool; one that cannot be
+        # rebuilt leaves the pool's result waiting for ever.
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            result = pool.apply_async(_request.build, (None, None, None, {}))
+            with self.assertRaises(AttentionError) as e:
+                result.get(timeout=30)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertEqual(e.exception.details(), "query: missing")
+
 
 if __name__ == "__main__":
     unittest.main()
