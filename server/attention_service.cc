@@ -272,8 +272,15 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
     const int64_t rank = static_cast<int64_t>(args.query.shape.size());
     if (rank != 3 && rank != 4) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "query: rank ", rank, "; a session request's query is rank 3 or 4 (", 
+          "query: rank ", rank, "; a session request's query is rank 3 or 4 (",
           job.model ? "a model layer's: rank 3" : "rank 4 with grouped-query heads", ")"));
+    }
+    // As the engine says it (engine/session_forward.cc), before KindOf
+    // reads the shapes of a key or value that has none of the query's.
+    if (args.key.present() || args.value.present()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          args.key.present() ? "key" : "value",
+          ": must be absent with session.read_only (a read-only request appends nothing)"));
     }
   } else {
     ATTN_ASSIGN_OR_RETURN(
@@ -285,6 +292,10 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
       job.flops = cost.flops;
       job.inline_when_idle = cost.flops <= kInlineMaxFlops;
     }
+  }
+  if (request.has_session()) {
+    // What it holds while it waits for its sessions: its parsed request.
+    ATTN_ASSIGN_OR_RETURN(*lease, memory_.Reserve(static_cast<int64_t>(wire_bytes)));
   }
   job.max_batch_size = options_.max_batch_size;
   job.max_queue_delay = absl::Microseconds(options_.max_queue_delay_us);
@@ -739,6 +750,7 @@ absl::Status AttentionServiceImpl::Submit(Job job, const v1::AttendRequest& requ
     // evict idle sessions: a request refused here evicts none.
     absl::Status status = cost.status();
     if (status.ok()) {
+      *session->memory.lease = MemoryBudget::Lease();  // the request's alone, now in the whole
       status = ReserveMemory(*cost, job.request->output_dtype, session->memory.wire_bytes,
                              session->memory.lease);
     }

@@ -156,7 +156,8 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // Validates and converts `request`, which came as `wire_bytes` bytes, into a
   // job whose `done` is still unset, and reserves in `lease` the memory the
   // call will hold until it is answered (RESOURCE_EXHAUSTED past the budget);
-  // for a session request, Submit does that over its sessions' rows.
+  // for a session request, its request's bytes while it waits for its
+  // sessions, and Submit the rest over its sessions' rows.
   absl::StatusOr<Job> MakeJob(const grpc::CallbackServerContext& context,
                               const v1::AttendRequest& request, size_t wire_bytes,
                               MemoryBudget::Lease* lease);

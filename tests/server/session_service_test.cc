@@ -358,6 +358,14 @@ TEST_F(SessionServiceTest, ReadOnlyStepsTakeTheSessionsKeyDim) {
   absl::StatusOr<v1::AttendResponse> want = client().Attend(whole);
   ASSERT_THAT(want, IsOk());
   ExpectNear(Output(*got), Output(*want), 1e-5f);
+  // A read-only request with a key is refused before its shapes are read
+  // (a 0-d key here, which has none of the query's dims).
+  v1::AttendRequest keyed = read;
+  *keyed.mutable_key() = Floats({}, {1.0f});
+  EXPECT_THAT(client().Attend(keyed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("key: must be absent with session.read_only")));
+  ASSERT_THAT(client().Attend(read), IsOk());  // and the server still serves
   // A read-only query of another rank is refused before it waits for its session.
   *read.mutable_query() = Floats({4}, RandomValues(4, 85));
   EXPECT_THAT(client().Attend(read),
