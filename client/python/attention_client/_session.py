@@ -209,6 +209,13 @@ class SessionCore:
             # from the kept rows): nothing of the unsure steps is held.
             self.succeeded()
             return
+        if info.idle_ms == 0:
+            # A request still holds it past the step's timeout: its position
+            # is not committed yet. Asked again before the next step.
+            raise AttentionError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"session {self.id}: a request still holds it, so whether the step that failed "
+                "before was applied is not known yet; try the step again")
         held = int(info.position)
         if self.created and held == self.position:
             self.resync_needed = False  # none applied (yet): a later one is ABORTED

@@ -78,6 +78,13 @@ class RemoteMultiheadAttention(torch.nn.Module):
         if settings is None:
             raise invalid(f"RemoteMultiheadAttention: cannot pickle a layer whose client is a "
                           f"{type(self.client).__name__}, not an attention_client.Client")
+        if settings.tls and settings.public_arguments["tls_ca"] is None:
+            # Its TLS rests on the system's roots and a client certificate,
+            # which is not written: loaded, the client would be plaintext.
+            raise invalid("RemoteMultiheadAttention: cannot pickle a layer whose client has "
+                          "TLS without tls_ca (its client certificate is not saved, and "
+                          "without it the loaded client would not use TLS); give the client "
+                          "tls_ca, or save the layer's state_dict")
         state = self.__dict__.copy()
         state["client"] = (settings.target, settings.public_arguments)
         # The generated message classes are not importable by the name pickle

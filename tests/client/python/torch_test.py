@@ -160,6 +160,18 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
                                      memory_key_padding_mask=padding),
                              local(tgt, memory, tgt_mask=causal, memory_key_padding_mask=padding))
 
+    def test_a_client_with_tls_but_no_ca_does_not_pickle(self):
+        # Its client certificate is not saved: loaded, the client would not
+        # use TLS at all.
+        remote = RemoteMultiheadAttention(server.target, "cross", batch_first=True)
+        remote.client.close()
+        remote.client = attention_client.Client(server.target, tls_cert=b"cert", tls_key=b"key")
+        with self.assertRaises(attention_client.AttentionError) as e:
+            pickle.dumps(remote)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("TLS without tls_ca", e.exception.details())
+        remote.client.close()
+
     def test_torch_save_and_load_make_a_client_to_the_same_target(self):
         remote = RemoteMultiheadAttention(server.target, "cross", batch_first=True)
         model = torch.nn.Sequential(torch.nn.Linear(16, 16))

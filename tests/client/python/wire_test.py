@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import torch
 
-from attention_client import AttentionError, _request, _wire
-from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2
+from attention_client import AttentionError, _request, _session, _wire
+from attention_client._proto.attention.v1 import attention_pb2, service_pb2, tensor_pb2
 
 Tensor = tensor_pb2.Tensor
 
@@ -151,6 +151,24 @@ class AttentionErrorTest(unittest.TestCase):
                 result.get(timeout=30)
         self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
         self.assertEqual(e.exception.details(), "query: missing")
+
+
+class SessionResyncTest(unittest.TestCase):
+    def test_a_session_still_held_past_the_timeout_is_asked_again(self):
+        # The step before failed with its outcome unknown, and a request still
+        # holds the session (idle_ms 0): its position is not committed, so the
+        # step fails DEADLINE_EXCEEDED and the next one asks again.
+        core = _session.SessionCore("s", False, "float32", {})
+        core.resync_needed = True
+        held = service_pb2.SessionInfo(id="s", position=0, idle_ms=0)
+        with self.assertRaises(AttentionError) as e:
+            core.resync(held)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertIn("a request still holds it", e.exception.details())
+        self.assertTrue(core.resync_needed)
+        self.assertFalse(core.created)
+        core.resync(service_pb2.SessionInfo(id="s", position=0, idle_ms=5))
+        self.assertFalse(core.resync_needed)
 
 
 if __name__ == "__main__":
