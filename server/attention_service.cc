@@ -275,13 +275,6 @@ absl::StatusOr<Job> AttentionServiceImpl::MakeJob(const grpc::CallbackServerCont
           "query: rank ", rank, "; a session request's query is rank 3 or 4 (",
           job.model ? "a model layer's: rank 3" : "rank 4 with grouped-query heads", ")"));
     }
-    // As the engine says it (engine/session_forward.cc), before KindOf
-    // reads the shapes of a key or value that has none of the query's.
-    if (args.key.present() || args.value.present()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          args.key.present() ? "key" : "value",
-          ": must be absent with session.read_only (a read-only request appends nothing)"));
-    }
   } else {
     ATTN_ASSIGN_OR_RETURN(
         const CallCost cost, OutOfMemoryAsStatus("request validation", [&] {
@@ -678,9 +671,12 @@ SessionKind KindOf(const v1::AttendRequest& request, const AttentionArgs& args, 
     kind.key_dim = kind.value_dim = c.embed_dim / c.num_heads;
     return kind;
   }
+  // A read-only request's keys are the session's: its kind comes from its
+  // query alone (a key or value it sends, unchecked yet, the engine refuses).
+  const bool own_rows = !request.session().read_only();
   const TensorView& q = args.query;
-  const TensorView& k = args.key.present() ? args.key : q;
-  const TensorView& v = args.value.present() ? args.value : k;
+  const TensorView& k = own_rows && args.key.present() ? args.key : q;
+  const TensorView& v = own_rows && args.value.present() ? args.value : k;
   int64_t query_dim = 0;
   if (q.shape.size() == 4) {
     kind.heads = static_cast<int32_t>(q.shape[1]);
