@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/enum_name.h"
 #include "common/half.h"
 #include "common/shape_string.h"
 #include "common/status_macros.h"
@@ -80,7 +81,7 @@ absl::StatusOr<v1::Tensor> MakeFloatTensor(const std::vector<int64_t>& shape,
                                            v1::Tensor::DType dtype) {
   if (!IsFloatDType(dtype)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("dtype ", v1::Tensor::DType_Name(dtype),
+        absl::StrCat("dtype ", EnumName(dtype),
                      " is not a float type (FLOAT32, BFLOAT16 or FLOAT16)"));
   }
   ATTN_RETURN_IF_ERROR(CheckValueCount(shape, values.size()));
@@ -128,7 +129,7 @@ absl::StatusOr<std::vector<float>> ReadFloats(const v1::Tensor& tensor) {
   const v1::Tensor::DType dtype = tensor.dtype();
   if (!IsFloatDType(dtype)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("dtype ", v1::Tensor::DType_Name(dtype),
+        absl::StrCat("dtype ", EnumName(dtype),
                      " is not a float type (FLOAT32, BFLOAT16 or FLOAT16)"));
   }
   const int sources = (tensor.data().empty() ? 0 : 1) + (tensor.float_data_size() > 0 ? 1 : 0) +
@@ -138,14 +139,14 @@ absl::StatusOr<std::vector<float>> ReadFloats(const v1::Tensor& tensor) {
   }
   if (tensor.int_data_size() > 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("int_data is set on a ", v1::Tensor::DType_Name(dtype),
+        absl::StrCat("int_data is set on a ", EnumName(dtype),
                      " tensor; int_data holds INT64, INT32 or BOOL elements"));
   }
   ATTN_ASSIGN_OR_RETURN(int64_t count, ElementCount(tensor.shape()));
   if (tensor.float_data_size() > 0) {
     if (dtype != v1::Tensor::FLOAT32) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "float_data is set on a ", v1::Tensor::DType_Name(dtype), " tensor; it needs FLOAT32"));
+          "float_data is set on a ", EnumName(dtype), " tensor; it needs FLOAT32"));
     }
     if (tensor.float_data_size() != count) {
       return absl::InvalidArgumentError(
@@ -158,13 +159,13 @@ absl::StatusOr<std::vector<float>> ReadFloats(const v1::Tensor& tensor) {
   const std::string& data = tensor.data();
   if (count > std::numeric_limits<int64_t>::max() / element_size) {
     return absl::InvalidArgumentError(
-        absl::StrCat("shape ", ShapeString(tensor.shape()), " of ", v1::Tensor::DType_Name(dtype),
+        absl::StrCat("shape ", ShapeString(tensor.shape()), " of ", EnumName(dtype),
                      " needs more than ", std::numeric_limits<int64_t>::max(), " bytes"));
   }
   if (static_cast<uint64_t>(count * element_size) != data.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("data has ", data.size(), " bytes, shape ", ShapeString(tensor.shape()),
-                     " of ", v1::Tensor::DType_Name(dtype), " needs ", count * element_size, " (",
+                     " of ", EnumName(dtype), " needs ", count * element_size, " (",
                      element_size, " bytes per element)"));
   }
   std::vector<float> values;

@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/enum_name.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -42,7 +43,7 @@ absl::StatusOr<ScoreKind> ModelScoreKind(v1::Score::Kind kind, const std::string
       return ScoreKind::kGaussian;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
-          source, ": score.kind ", v1::Score::Kind_Name(kind),
+          source, ": score.kind ", EnumName(kind),
           " needs parameters a model cannot carry; use SCALED_DOT, DOT, COSINE, NEG_EUCLIDEAN "
           "or GAUSSIAN"));
   }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/enum_name.h"
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/zero_copy_stream.h"
@@ -71,7 +72,7 @@ absl::StatusOr<grpc::Slice> DataSlice(Tensor& t, v1::Tensor::DType dtype) {
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("output_dtype: must be FLOAT32, BFLOAT16 or FLOAT16, not ",
-                       v1::Tensor::DType_Name(dtype)));
+                       EnumName(dtype)));
   }
 }
 

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/enum_name.h"
 #include "common/status_macros.h"
 
 namespace attention::server {
@@ -114,7 +115,7 @@ absl::StatusOr<SessionRequest> SessionStore::Parse(const v1::SessionSpec& spec,
       break;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("session.cache_dtype: ", v1::Tensor::DType_Name(spec.cache_dtype()),
+          absl::StrCat("session.cache_dtype: ", EnumName(spec.cache_dtype()),
                        " is not a cache dtype (FLOAT32, BFLOAT16)"));
   }
   r.create = spec.create();
@@ -450,7 +451,9 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Info(const std::string& id) {
   info.set_cache_dtype(s.cache->dtype() == DType::kBFloat16 ? v1::Tensor::BFLOAT16
                                                             : v1::Tensor::FLOAT32);
   info.set_bytes(busy ? s.cache->BytesFor(s.cache->length()) : s.cache->bytes());
-  info.set_idle_ms(busy ? 0 : absl::ToInt64Milliseconds(now_() - s.last_used));
+  // At least 1 when no request holds it, so that 0 means only that one does.
+  info.set_idle_ms(busy ? 0
+                        : std::max<int64_t>(1, absl::ToInt64Milliseconds(now_() - s.last_used)));
   return info;
 }
 
