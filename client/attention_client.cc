@@ -35,7 +35,6 @@
 namespace attention::client {
 namespace {
 
-constexpr int64_t kMaxMessageMb = std::numeric_limits<int>::max() / (int64_t{1} << 20);
 // gRPC caps a retry policy's maxAttempts at 5.
 constexpr int kMaxAttempts = 5;
 
@@ -147,7 +146,7 @@ absl::StatusOr<Response> Call(const ClientOptions& options, Stub& stub, Method m
                               const std::string& affinity = "") {
   grpc::ClientContext context;
   PrepareContext(options, &context);
-  if (!affinity.empty()) context.AddMetadata(kAffinityHeader, affinity);
+  if (!affinity.empty()) context.AddMetadata(kAffinityHeader, AffinityHeaderValue(affinity));
   Response response;
   grpc::Status status = (stub.*method)(&context, request, &response);
   if (call.replica != nullptr) *call.replica = ReplicaOf(context);
@@ -171,7 +170,7 @@ struct AttendStream::Impl {
   Impl(const ClientOptions& options, v1::AttentionService::Stub& stub, absl::string_view affinity)
       : options(options) {
     AddToken(options, &context);
-    if (!affinity.empty()) context.AddMetadata(kAffinityHeader, std::string(affinity));
+    if (!affinity.empty()) context.AddMetadata(kAffinityHeader, AffinityHeaderValue({affinity.data(), affinity.size()}));
     stream = stub.PrepareAsyncAttendStream(&context, &queue);
     Begin(kStart);
     stream->StartCall(Tag(kStart));
@@ -419,11 +418,24 @@ absl::StatusOr<v1::GetModelResponse> AttentionClient::GetModel(const std::string
 
 absl::StatusOr<v1::CloseSessionsResponse> AttentionClient::CloseSessions(
     const std::vector<std::string>& ids, const CallOptions& call) {
-  v1::CloseSessionsRequest request;
-  request.mutable_ids()->Assign(ids.begin(), ids.end());
-  return Call<v1::CloseSessionsResponse>(
-      options_, *stub_, &v1::AttentionService::Stub::CloseSessions, request, call,
-      AffinityOf(call, ids.empty() ? absl::string_view() : absl::string_view(ids.front())));
+  if (!call.affinity.empty() || ids.size() <= 1) {
+    v1::CloseSessionsRequest request;
+    request.mutable_ids()->Assign(ids.begin(), ids.end());
+    return Call<v1::CloseSessionsResponse>(
+        options_, *stub_, &v1::AttentionService::Stub::CloseSessions, request, call,
+        AffinityOf(call, ids.empty() ? absl::string_view() : absl::string_view(ids.front())));
+  }
+  // Each id with its own affinity, so that a proxy sends each to the
+  // replica that holds it: one call for all would reach the first id's
+  // replica only, and the others would stay open there until they expire.
+  v1::CloseSessionsResponse all;
+  for (const std::string& id : ids) {
+    absl::StatusOr<v1::CloseSessionsResponse> one = CloseSessions({id}, call);
+    if (!one.ok()) return one.status();
+    all.mutable_closed()->MergeFrom(one->closed());
+    all.mutable_not_found()->MergeFrom(one->not_found());
+  }
+  return all;
 }
 
 absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& id,

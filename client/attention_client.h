@@ -2,6 +2,7 @@
 #define ATTENTION_CLIENT_ATTENTION_CLIENT_H_
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,10 +17,13 @@ class Channel;
 
 namespace attention::client {
 
+// The largest max_message_mb: gRPC takes a message limit in an int of bytes.
+inline constexpr int64_t kMaxMessageMb = std::numeric_limits<int>::max() / (int64_t{1} << 20);
+
 struct ClientOptions {
   // gRPC target: "127.0.0.1:50051", "dns:///name:50051", ...
   std::string target = "127.0.0.1:50051";
-  int64_t max_message_mb = 256;
+  int64_t max_message_mb = 256;  // 1 to kMaxMessageMb
   // Sent as "authorization: Bearer <token>" when not empty.
   std::string bearer_token;
   // TLS, used when any of these four is set (PEM file paths). tls_ca_file:
@@ -67,9 +71,12 @@ struct ClientOptions {
 // (docs/sessions.md, "Sessions across replicas").
 struct CallOptions {
   // Sent as "attention-affinity" metadata. Empty: a session request's first
-  // id, GetSession's id, CloseSessions' first id; nothing for other calls.
+  // id, GetSession's id, CloseSessions' ids (a call per id); nothing for
+  // other calls.
   // A request carrying several sessions should pass a group id of the
   // caller's, and the same one on every later call of those sessions.
+  // Any bytes: those gRPC cannot carry in a header go %-encoded
+  // (AffinityHeaderValue, common/metadata.h).
   std::string affinity;
   // When not null, set to the name of the replica that answered (its
   // "attention-replica" metadata; empty if it sent none).
@@ -137,8 +144,11 @@ class AttentionClient {
   absl::StatusOr<v1::ListModelsResponse> ListModels();
   absl::StatusOr<v1::GetModelResponse> GetModel(const std::string& name);
   // Closes the sessions `ids` and frees their caches. OK even when some were
-  // not open: the answer lists them in not_found. client/session.h keeps a
-  // session's ids and positions for a caller.
+  // not open: the answer lists them in not_found. Without call.affinity,
+  // several ids go one call each, each with its own id as affinity (so a
+  // proxy routes each to its replica); the first failed call's error is
+  // returned. client/session.h keeps a session's ids and positions for a
+  // caller.
   absl::StatusOr<v1::CloseSessionsResponse> CloseSessions(const std::vector<std::string>& ids,
                                                           const CallOptions& call = {});
   // One open session's position, heads, dims, dtype and bytes; NOT_FOUND

@@ -99,9 +99,9 @@ absl::Status SetFlag(absl::string_view name, const std::string& value, CliComman
     command->client.bearer_token = value;
   } else if (name == "max_message_mb") {
     int64_t mb;
-    if (!absl::SimpleAtoi(value, &mb) || mb < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--max_message_mb: \"", value, "\" is not a positive integer"));
+    if (!absl::SimpleAtoi(value, &mb) || mb < 1 || mb > kMaxMessageMb) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--max_message_mb: \"", value, "\" is not an integer from 1 to ", kMaxMessageMb));
     }
     command->client.max_message_mb = mb;
   } else if (name == "tls_ca") {

@@ -12,11 +12,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/tensors.h"
+#include "common/enum_name.h"
 #include "common/shape_string.h"
 #include "common/status_macros.h"
 
@@ -62,6 +64,41 @@ const v1::Tensor& Values(const v1::AttendRequest& request) {
   return request.has_value() ? request.value() : Keys(request);
 }
 
+// Whether a failed call may have been applied all the same: its answer was
+// lost (a deadline, a connection that failed, a cancelled call), or it is
+// ABORTED (a step sent again whose first attempt was applied).
+bool OutcomeUnknown(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kDataLoss:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Whether `status` says that the server has no session `id` (every such
+// NOT_FOUND of the server's starts so, docs/errors.md), rather than another
+// NOT_FOUND (a model that is not registered).
+bool SessionNotFound(const absl::Status& status, absl::string_view id) {
+  return status.code() == absl::StatusCode::kNotFound &&
+         absl::StartsWith(status.message(), absl::StrCat("session \"", id, "\""));
+}
+
+// Whether steps a and b send the same key and value rows.
+bool SameRows(const v1::AttendRequest& a, const v1::AttendRequest& b) {
+  return Keys(a).SerializeAsString() == Keys(b).SerializeAsString() &&
+         Values(a).SerializeAsString() == Values(b).SerializeAsString();
+}
+
+// How often Resync asks while a request holds the session.
+constexpr absl::Duration kResyncPoll = absl::Milliseconds(20);
+
 }  // namespace
 
 // The bytes of each index of the dims before the sequence axis are kept in a
@@ -82,8 +119,8 @@ class Session::RowLog {
     }
     if (same) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(
-        name_, ": ", v1::Tensor::DType_Name(rows.dtype()), " ", ShapeString(rows.shape()),
-        " cannot follow the session's kept ", v1::Tensor::DType_Name(dtype_), " rows ",
+        name_, ": ", EnumName(rows.dtype()), " ", ShapeString(rows.shape()),
+        " cannot follow the session's kept ", EnumName(dtype_), " rows ",
         ShapeString(*dims_), " (keep_rows needs one dtype, and one shape but for the rows)"));
   }
 
@@ -160,7 +197,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(AttentionClient* client
   }
   if (options.cache_dtype != v1::Tensor::FLOAT32 && options.cache_dtype != v1::Tensor::BFLOAT16) {
     return absl::InvalidArgumentError(absl::StrCat("session ", options.id, ": cache_dtype ",
-                                                   v1::Tensor::DType_Name(options.cache_dtype),
+                                                   EnumName(options.cache_dtype),
                                                    " is not FLOAT32 or BFLOAT16"));
   }
   return std::unique_ptr<Session>(new Session(client, std::move(options)));
@@ -193,6 +230,22 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   *request.mutable_query() = std::move(query);
   if (key.has_value()) *request.mutable_key() = *std::move(key);
   if (value.has_value()) *request.mutable_value() = *std::move(value);
+  if (keys_ != nullptr) {
+    ATTN_ASSIGN_OR_RETURN(const int key_axis, SequenceAxis(request, "key", Keys(request)));
+    ATTN_ASSIGN_OR_RETURN(const int value_axis, SequenceAxis(request, "value", Values(request)));
+    ATTN_RETURN_IF_ERROR(keys_->Check(Keys(request), key_axis));
+    ATTN_RETURN_IF_ERROR(values_->Check(Values(request), value_axis));
+  }
+  if (resync_needed_) ATTN_RETURN_IF_ERROR(Resync());
+  // The step that failed, sent again (its rows the same), after the server
+  // turned out to have applied it: asked read-only, for the answer it had.
+  const bool again = applied_.has_value() && SameRows(request, *applied_);
+  applied_.reset();
+  if (again) {
+    request.clear_key();
+    request.clear_value();
+    request.mutable_session()->set_read_only(true);
+  }
   v1::SessionSpec* spec = request.mutable_session();
   spec->add_ids(id());
   spec->add_positions(position_);
@@ -200,21 +253,25 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     spec->set_create(true);
     spec->set_cache_dtype(options_.cache_dtype);
   }
-  if (keys_ != nullptr) {
-    ATTN_ASSIGN_OR_RETURN(const int key_axis, SequenceAxis(request, "key", Keys(request)));
-    ATTN_ASSIGN_OR_RETURN(const int value_axis, SequenceAxis(request, "value", Values(request)));
-    ATTN_RETURN_IF_ERROR(keys_->Check(Keys(request), key_axis));
-    ATTN_RETURN_IF_ERROR(values_->Check(Values(request), value_axis));
-  }
   absl::StatusOr<v1::AttendResponse> answer = Send(request);
   if (answer.ok()) {
-    Advance(request, position_, *answer);
+    if (!again) Advance(request, position_, *answer);
+    Settled();
     return answer;
   }
-  if (answer.status().code() != absl::StatusCode::kNotFound || !created_ || keys_ == nullptr) {
-    return answer.status();
+  if (again) return answer.status();  // appended nothing: the next step starts afresh
+  if (SessionNotFound(answer.status(), id()) && created_ && keys_ != nullptr) {
+    answer = Recreate(request);
+    if (answer.ok()) {
+      Settled();
+      return answer;
+    }
   }
-  return Recreate(request);
+  if (OutcomeUnknown(answer.status())) {
+    unsure_.push_back(std::move(request));
+    resync_needed_ = true;
+  }
+  return answer.status();
 }
 
 absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& step) {
@@ -233,6 +290,88 @@ absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& st
   ++recreations_;
   Advance(step, /*base=*/request.key().shape(key_axis) - Keys(step).shape(key_axis), answer);
   return answer;
+}
+
+void Session::Settled() {
+  unsure_.clear();
+  resync_needed_ = false;
+}
+
+absl::Status Session::Resync() {
+  const ClientOptions& options = client_->options();
+  const absl::Time deadline = options.timeout > absl::ZeroDuration()
+                                  ? absl::Now() + options.timeout
+                                  : absl::InfiniteFuture();
+  absl::StatusOr<v1::SessionInfo> info;
+  for (;;) {
+    info = client_->GetSession(id(), Call());
+    if (!info.ok() && !SessionNotFound(info.status(), id())) return info.status();
+    if (!info.ok() || info->idle_ms() != 0 || absl::Now() >= deadline) break;
+    absl::SleepFor(kResyncPoll);
+  }
+  if (!info.ok()) {
+    // Never created, or lost (the step is then NOT_FOUND and, with kept
+    // rows, recreated): the server holds none of the unsure steps.
+    Settled();
+    return absl::OkStatus();
+  }
+  if (info->idle_ms() == 0) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "session ", id(), ": a request still holds it, so whether the step that failed before "
+        "was applied is not known yet; try the step again"));
+  }
+  const int64_t held = info->position();
+  if (created_ && held == position_) {
+    // None of them applied (nor can one be later: no request holds the
+    // session). They stay listed should a later step be ABORTED.
+    resync_needed_ = false;
+    return absl::OkStatus();
+  }
+  if (created_ && held < position_) {
+    // Fewer rows than answered steps put there: a stale copy, left on a
+    // replica the session has moved back to (it was recreated elsewhere
+    // meanwhile). With kept rows: close it, and the step, NOT_FOUND,
+    // recreates the session from them.
+    if (keys_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", id(), ": the server holds ", held, " rows, fewer than the ", position_,
+          " answered steps put there: a stale copy (its replica left and came back while the "
+          "session lived elsewhere); close the session and create it again"));
+    }
+    ATTN_RETURN_IF_ERROR(client_->CloseSessions({id()}, Call()).status());
+    Settled();
+    return absl::OkStatus();
+  }
+  const v1::AttendRequest* applied = nullptr;
+  bool ambiguous = false;
+  for (const v1::AttendRequest& step : unsure_) {
+    const absl::StatusOr<int> axis = SequenceAxis(step, "key", Keys(step));
+    if (!axis.ok() || position_ + Keys(step).shape(*axis) != held) continue;
+    if (applied == nullptr) {
+      applied = &step;
+    } else if (!SameRows(step, *applied)) {
+      ambiguous = true;
+    }
+  }
+  if (applied != nullptr && !ambiguous) {
+    Advance(*applied, position_, v1::AttendResponse());
+    applied_ = *applied;
+    Settled();
+    return absl::OkStatus();
+  }
+  if (keys_ == nullptr) {
+    // Nothing kept to match: go on at the server's position.
+    created_ = true;
+    position_ = held;
+    Settled();
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "session ", id(), ": the server holds ", held, " rows, this client ", position_, " and ",
+      unsure_.size(),
+      " step(s) whose outcome is unknown, none of which makes ", held,
+      ": the kept rows no longer match the server's (another writer?); close the session and "
+      "open another"));
 }
 
 CallOptions Session::Call() {
@@ -255,12 +394,19 @@ absl::StatusOr<v1::AttendResponse> Session::Send(const v1::AttendRequest& reques
     replica_ = stream_->replica();
     if (stream_->open()) return answer;
     // The stream ended instead of answering; the next attempt or step opens
-    // another. UNAVAILABLE without an answer: the server had not taken the
-    // request (a draining server answers what it took), or never got it.
+    // another. UNAVAILABLE without an answer: a draining server had not
+    // taken the request (it answers what it took), or the connection
+    // failed; UNKNOWN ("No status received"), CANCELLED (a reset stream) or
+    // INTERNAL: the server or a proxy between went away. The step is sent
+    // again on a new stream (which a proxy routes afresh) for these; if the
+    // server had applied it, that attempt is ABORTED, and the next step asks
+    // the server where the session is (Resync).
     stream_.reset();
-    if (attempt >= attempts || answer.status().code() != absl::StatusCode::kUnavailable) {
-      return answer;
-    }
+    const absl::StatusCode code = answer.status().code();
+    const bool resend = code == absl::StatusCode::kUnavailable ||
+                        code == absl::StatusCode::kUnknown ||
+                        code == absl::StatusCode::kCancelled || code == absl::StatusCode::kInternal;
+    if (attempt >= attempts || !resend) return answer;
     absl::SleepFor(backoff * std::uniform_real_distribution<double>(0, 1)(random_));
     backoff = std::min(backoff * 2, kMaxBackoff);
   }
@@ -289,11 +435,13 @@ absl::Status Session::Close() {
     stream_->Close().IgnoreError();
     stream_.reset();
   }
-  if (created_) {
+  // A first step whose outcome is unknown may have created it.
+  if (created_ || !unsure_.empty()) {
     absl::StatusOr<v1::CloseSessionsResponse> closed = client_->CloseSessions({id()}, Call());
     if (!closed.ok()) return closed.status();
   }
   closed_ = true;
+  Settled();
   return absl::OkStatus();
 }
 

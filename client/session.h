@@ -74,20 +74,37 @@ class Session {
   // SEQUENCE_FIRST) or rank 4 [1, H, S_new, D]. Returns the answer, which
   // attends over every row the session holds, and sets position() to its
   // session_positions (an answer without them: position() + the rows sent).
-  // A failed step changes nothing here (nor, by the contract, on the
-  // server). With keep_rows, rows whose dtype or other dims differ from
-  // those kept are INVALID_ARGUMENT, unsent; a NOT_FOUND answer to a step
-  // after the first is retried once as a recreation: one request with create
-  // whose key and value are every kept row and then this step's, and whose
-  // query is this step's, so its answer is this step's answer
-  // (recreations() counts them). FAILED_PRECONDITION after Close.
+  // A step the server refuses changes nothing here (nor, by the contract,
+  // on the server). One that fails otherwise (DEADLINE_EXCEEDED,
+  // UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, DATA_LOSS, or ABORTED: a step
+  // sent again whose first attempt was applied) may have been applied all
+  // the same: the next step first asks the server where the session is
+  // (GetSession, waiting up to the client's timeout while a request still
+  // holds it; DEADLINE_EXCEEDED if one still does) and goes on from there.
+  // If the server holds one such step's rows more, that step counts as
+  // applied (position() moves past them, and with keep_rows they are kept),
+  // and a step sending the same rows again is taken as its retry: it is
+  // sent read-only (appending nothing), and its answer is the one the lost
+  // answer was. If the server holds fewer rows than position() (a stale copy
+  // on a replica the session has moved back to), with keep_rows the copy is
+  // closed and the step recreates the session, else FAILED_PRECONDITION;
+  // with keep_rows, a count no such step explains (another writer) is
+  // FAILED_PRECONDITION. With keep_rows, rows whose dtype or other dims
+  // differ from those kept are INVALID_ARGUMENT, unsent; a step the server
+  // answers that it has no such session (NOT_FOUND naming it: not another
+  // NOT_FOUND, such as a model not registered) after the first is retried
+  // once as a recreation: one request with create whose key and value are
+  // every kept row and then this step's, and whose query is this step's, so
+  // its answer is this step's answer (recreations() counts them).
+  // FAILED_PRECONDITION after Close.
   absl::StatusOr<v1::AttendResponse> Step(v1::Tensor query,
                                           std::optional<v1::Tensor> key = std::nullopt,
                                           std::optional<v1::Tensor> value = std::nullopt);
 
   // Closes the session's stream, if any, then the session on the server
   // (CloseSessions). OK also when the server no longer had it; a session no
-  // step created sends nothing. Later steps are FAILED_PRECONDITION. Dropping
+  // step created (nor may have: a first step whose outcome is unknown) sends
+  // nothing. Later steps are FAILED_PRECONDITION. Dropping
   // a Session does not close it: the server keeps it until it expires or is
   // evicted.
   absl::Status Close();
@@ -121,6 +138,12 @@ class Session {
   absl::StatusOr<v1::AttendResponse> Send(const v1::AttendRequest& request);
   // `step` (which the server answered NOT_FOUND) as a create over the kept rows.
   absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step);
+  // Where the server has the session, after steps whose outcome is unknown
+  // (Step's contract).
+  absl::Status Resync();
+  // After an answered step (or a resync that settled them): no step before
+  // it can still be applied.
+  void Settled();
 
   AttentionClient* client_;
   SessionOptions options_;
@@ -131,6 +154,12 @@ class Session {
   std::string replica_;
   std::unique_ptr<RowLog> keys_;
   std::unique_ptr<RowLog> values_;
+  // Steps sent at position_ whose outcome is unknown, and whether the next
+  // step asks the server first (Resync).
+  std::vector<v1::AttendRequest> unsure_;
+  bool resync_needed_ = false;
+  // The unsure step Resync found applied, until the next step is sent.
+  std::optional<v1::AttendRequest> applied_;
   // With options.stream, the open stream (null before the first step and
   // after one ended).
   std::unique_ptr<AttendStream> stream_;

@@ -183,12 +183,15 @@ class Decoder {
       }
     }
     cpu_->DoneStepping();
-    if ((*session)->open() && !lost_) {
+    // Close sends nothing for a session no call created, but also closes
+    // one a prefill whose answer was lost may have created.
+    if (!lost_) {
+      const bool open = (*session)->open();
       const absl::Status closed = (*session)->Close();
-      if (closed.ok()) {
-        ++result_.sessions.closed;
-      } else {
+      if (!closed.ok()) {
         CountFailure(closed, &result_.stats);
+      } else if (open) {
+        ++result_.sessions.closed;
       }
     }
     result_.sessions.recreations = (*session)->recreations();

@@ -164,8 +164,13 @@ TEST_F(AttentionClientTest, SessionCallsReturnTheServersAnswers) {
   ASSERT_THAT(closed, IsOk());
   EXPECT_THAT(closed->closed(), ElementsAre("a"));
   EXPECT_THAT(closed->not_found(), ElementsAre("b"));
+  // One call per id, each routed by its own id (behind a proxy, the ids may
+  // live on different replicas); with an affinity, one call.
+  EXPECT_THAT(server_.close_affinities(), ElementsAre("a", "b"));
+  ASSERT_THAT(client->CloseSessions({"c", "d"}, {.affinity = "group-1"}), IsOk());
+  EXPECT_THAT(server_.close_affinities(), ElementsAre("a", "b", "group-1"));
   EXPECT_THAT(client->GetSession("a"),
-              StatusIs(absl::StatusCode::kNotFound, "session a is not open"));
+              StatusIs(absl::StatusCode::kNotFound, "session \"a\" is not open"));
 }
 
 // `id`'s one-row query of two floats from `first`.

@@ -159,6 +159,10 @@ TEST(ParseCliArgsTest, NamesTheBadArgument) {
               StatusIs(kInvalid, HasSubstr("--timeout: \"-1s\" is not")));
   EXPECT_THAT(ParseCliArgs({"--max_message_mb", "lots", "info"}),
               StatusIs(kInvalid, HasSubstr("--max_message_mb: \"lots\"")));
+  // Past what gRPC can take: a bad command line, not a failed call.
+  EXPECT_THAT(ParseCliArgs({"--max_message_mb", "5000", "info"}),
+              StatusIs(kInvalid, HasSubstr("--max_message_mb: \"5000\" is not an integer from 1 "
+                                           "to 2047")));
   EXPECT_THAT(ParseCliArgs({"call", "a.json", "b.json"}),
               StatusIs(kInvalid, HasSubstr("call takes 1 argument, got 2: unexpected \"b.json\"")));
   EXPECT_THAT(ParseCliArgs({"info", "extra"}),
@@ -369,7 +373,7 @@ TEST_F(RunCliServerTest, SessionsOpenStepInspectAndClose) {
   EXPECT_THAT(info.out,
               AllOf(HasSubstr("\"id\": \"d1\""), HasSubstr("\"position\": \"3\""),
                     HasSubstr("\"heads\": 2"), HasSubstr("\"head_dim\": 2"),
-                    HasSubstr("\"cache_dtype\": \"BFLOAT16\""), HasSubstr("\"idle_ms\": \"0\"")));
+                    HasSubstr("\"cache_dtype\": \"BFLOAT16\""), HasSubstr("\"idle_ms\": \"1\"")));
 
   CliResult closed = RunAgainstServer({"close", "d1", "d2"});
   ASSERT_EQ(closed.code, kCliOk) << closed.err;
@@ -384,7 +388,7 @@ TEST_F(RunCliServerTest, SessionsOpenStepInspectAndClose) {
 
   CliResult gone = RunAgainstServer({"session", "d1"});
   EXPECT_EQ(gone.code, kCliError);
-  EXPECT_EQ(gone.err, "error: NOT_FOUND: session d1 is not open\n");
+  EXPECT_EQ(gone.err, "error: NOT_FOUND: session \"d1\" is not open\n");
   EXPECT_THAT(gone.out, IsEmpty());
 }
 

@@ -51,7 +51,8 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     const Fate fate = CountAndStall(*context);
     if (!fate.failure.ok()) return fate.failure;
     if (fate.hang || request->id() == "hang") return HangUntilCancelled(*context);
-    return Answer(*request, response);
+    const grpc::Status status = Answer(*request, response);
+    return status.ok() && !fate.lost_answer.ok() ? fate.lost_answer : status;
   }
 
   grpc::Status AttendStream(
@@ -70,6 +71,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
       if (!fate.end_stream.ok()) return fate.end_stream;
       v1::AttendResponse response;
       const grpc::Status status = fate.failure.ok() ? Answer(request, &response) : fate.failure;
+      if (status.ok() && !fate.lost_answer.ok()) return fate.lost_answer;
       if (!status.ok()) {
         response.Clear();
         response.set_id(request.id());
@@ -112,6 +114,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
                              v1::CloseSessionsResponse* response) override {
     Record(*context);
     absl::MutexLock lock(&state_->mu);
+    state_->close_affinities.push_back(state_->affinity);
     for (const std::string& id : request->ids()) {
       if (state_->sessions.erase(id) > 0) {
         response->add_closed(id);
@@ -138,6 +141,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     info->set_head_dim(session.head_dim);
     info->set_value_dim(session.value_dim);
     info->set_cache_dtype(session.cache_dtype);
+    info->set_idle_ms(1);  // no request holds it: each applies at once
     const int64_t element_bytes = session.cache_dtype == v1::Tensor::BFLOAT16 ? 2 : 4;
     info->set_bytes(session.position * session.kv_heads * (session.head_dim + session.value_dim) *
                     element_bytes);
@@ -161,6 +165,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     bool hang = false;
     grpc::Status failure;
     grpc::Status end_stream;
+    grpc::Status lost_answer;
   };
 
   // Blocks until the call is cancelled (or 30 s have passed).
@@ -185,6 +190,10 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
       if (state_->attend_calls == state_->fail_call) {
         fate.failure = grpc::Status(state_->fail_code,
                                     absl::StrCat("injected failure of call ", state_->fail_call));
+      }
+      if (state_->attend_calls == state_->lose_call) {
+        fate.lost_answer = grpc::Status(
+            state_->lose_code, absl::StrCat("injected loss of the answer to call ", state_->lose_call));
       }
       if (state_->attend_calls >= state_->end_stream_call &&
           state_->attend_calls < state_->end_stream_call + state_->end_stream_count) {
@@ -236,7 +245,8 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(message));
   }
   static grpc::Status NotOpen(const std::string& id) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("session ", id, " is not open"));
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("session \"", id, "\" is not open"));
   }
 
   // A new session's head shape, as the real server takes it from the request
@@ -436,6 +446,11 @@ int64_t FakeAttentionServer::closed_sessions() const {
   return state_.closed_sessions;
 }
 
+std::vector<std::string> FakeAttentionServer::close_affinities() const {
+  absl::MutexLock lock(&state_.mu);
+  return state_.close_affinities;
+}
+
 std::vector<float> FakeAttentionServer::session_keys(const std::string& id) const {
   absl::MutexLock lock(&state_.mu);
   auto it = state_.sessions.find(id);
@@ -456,6 +471,12 @@ void FakeAttentionServer::FailCall(int64_t call, grpc::StatusCode code) {
   absl::MutexLock lock(&state_.mu);
   state_.fail_call = call;
   state_.fail_code = code;
+}
+
+void FakeAttentionServer::LoseAnswerOfCall(int64_t call, grpc::StatusCode code) {
+  absl::MutexLock lock(&state_.mu);
+  state_.lose_call = call;
+  state_.lose_code = code;
 }
 
 void FakeAttentionServer::EndStreamAtCall(int64_t call, grpc::StatusCode code, int64_t count) {

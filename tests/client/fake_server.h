@@ -36,7 +36,7 @@ namespace attention::testing {
 // sequence dim, keeps a batch-1 request's key elements, and the answer carries
 // session_positions; close closes them after answering. CloseSessions and
 // GetSession answer from the same model (GetSession's bytes: position x
-// kv_heads x (head_dim + value_dim) x the cache dtype's size).
+// kv_heads x (head_dim + value_dim) x the cache dtype's size; idle_ms 1).
 // AttendStream answers each message as Attend would, with its id and status
 // (a "fail" message gets status code 3; the id "hang" is not special there,
 // HangCall is: the stream hangs).
@@ -84,6 +84,11 @@ class FakeAttentionServer {
   // The call-th of them (1-based) fails with `code` and the message
   // "injected failure of call N", changing nothing.
   void FailCall(int64_t call, grpc::StatusCode code);
+  // The call-th of them (1-based) is applied as usual, then its answer is
+  // lost: it fails with `code` and the message "injected loss of the answer
+  // to call N" (a stream message's stream ends so), as when a deadline
+  // passes or a connection fails after the server applied it.
+  void LoseAnswerOfCall(int64_t call, grpc::StatusCode code);
   // The call-th of them (1-based) and the count - 1 after it, when they are
   // stream messages, are not answered: each one's stream ends with `code` and
   // the message "injected end of the stream at call N", changing nothing (as
@@ -95,6 +100,8 @@ class FakeAttentionServer {
   int64_t open_sessions() const;
   // Sessions closed by CloseSessions or a request's close.
   int64_t closed_sessions() const;
+  // The "attention-affinity" of each CloseSessions call, in order.
+  std::vector<std::string> close_affinities() const;
   // The elements of every key row session `id` was given by batch-1
   // requests, in order; empty when it is not open.
   std::vector<float> session_keys(const std::string& id) const;
@@ -123,6 +130,7 @@ class FakeAttentionServer {
         grpc::health::v1::HealthCheckResponse::SERVING;
     std::string authorization ABSL_GUARDED_BY(mu);
     std::string affinity ABSL_GUARDED_BY(mu);
+    std::vector<std::string> close_affinities ABSL_GUARDED_BY(mu);
     std::string health_service ABSL_GUARDED_BY(mu);
     std::string replica ABSL_GUARDED_BY(mu);
     int64_t attend_calls ABSL_GUARDED_BY(mu) = 0;
@@ -132,6 +140,8 @@ class FakeAttentionServer {
     int64_t hang_call ABSL_GUARDED_BY(mu) = 0;
     int64_t fail_call ABSL_GUARDED_BY(mu) = 0;
     grpc::StatusCode fail_code ABSL_GUARDED_BY(mu) = grpc::StatusCode::OK;
+    int64_t lose_call ABSL_GUARDED_BY(mu) = 0;
+    grpc::StatusCode lose_code ABSL_GUARDED_BY(mu) = grpc::StatusCode::OK;
     int64_t end_stream_call ABSL_GUARDED_BY(mu) = 0;
     grpc::StatusCode end_stream_code ABSL_GUARDED_BY(mu) = grpc::StatusCode::OK;
     int64_t end_stream_count ABSL_GUARDED_BY(mu) = 0;

@@ -258,7 +258,7 @@ TEST_F(SessionTest, WithoutKeptRowsALostSessionIsNotFound) {
   ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
   server_.DropSessions();
   EXPECT_THAT(s->Step(Rows(1, 4, 0)),
-              StatusIs(absl::StatusCode::kNotFound, "session lost is not open"));
+              StatusIs(absl::StatusCode::kNotFound, "session \"lost\" is not open"));
   EXPECT_EQ(s->position(), 2);
   EXPECT_EQ(s->recreations(), 0);
   EXPECT_EQ(server_.attend_calls(), 2);
@@ -394,14 +394,27 @@ TEST_F(SessionTest, AStreamEndedUnavailableIsReopenedAndTheStepSentAgain) {
   EXPECT_EQ(server_.attend_streams(), 2);
   EXPECT_EQ(server_.attend_calls(), 3);
 
+  // So is one that ends as a replica that went away ends it (SIGKILL:
+  // "No status received", a reset stream).
+  for (const grpc::StatusCode code :
+       {grpc::StatusCode::UNKNOWN, grpc::StatusCode::CANCELLED, grpc::StatusCode::INTERNAL}) {
+    const int64_t calls = server_.attend_calls();
+    const int64_t position = s->position();
+    server_.EndStreamAtCall(calls + 1, code);
+    ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
+    EXPECT_EQ(s->position(), position + 1);
+    EXPECT_EQ(server_.attend_calls(), calls + 2);
+  }
+
   // Other ends are returned, unsent again; the next step opens a stream.
-  server_.EndStreamAtCall(4, grpc::StatusCode::INTERNAL);
-  EXPECT_THAT(s->Step(Rows(1, 4, 12)),
-              StatusIs(absl::StatusCode::kInternal, "injected end of the stream at call 4"));
-  EXPECT_EQ(s->position(), 3);
+  const int64_t streams = server_.attend_streams();
+  server_.EndStreamAtCall(server_.attend_calls() + 1, grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s->Step(Rows(1, 4, 12)), StatusIs(absl::StatusCode::kResourceExhausted,
+                                                HasSubstr("injected end of the stream at call")));
+  EXPECT_EQ(s->position(), 6);
   ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
-  EXPECT_EQ(s->position(), 4);
-  EXPECT_EQ(server_.attend_streams(), 3);
+  EXPECT_EQ(s->position(), 7);
+  EXPECT_EQ(server_.attend_streams(), streams + 1);
 }
 
 // A step is sent at most max_attempts times, as the channel retries a unary
@@ -445,6 +458,204 @@ TEST_F(SessionTest, KeptRowsRecreateALostSessionOnTheStream) {
   // Prefill, the step the server did not find, its recreation: one stream.
   EXPECT_EQ(server_.attend_calls(), 3);
   EXPECT_EQ(server_.attend_streams(), 1);
+}
+
+// A step whose answer is lost after the server applied it (its deadline
+// passed) counts as applied once the next step has asked the server: the
+// kept rows then hold it too, so a recreation sends what the server had.
+TEST_F(SessionTest, AStepWhoseAnswerWasLostCountsOnceTheServerHasIt) {
+  std::unique_ptr<Session> s = Open("lost-answer", /*keep_rows=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  server_.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       "injected loss of the answer to call 2"));
+  EXPECT_EQ(s->position(), 2);
+  // The next step asks first, finds the lost step's row, and goes on after it.
+  absl::StatusOr<v1::AttendResponse> next = s->Step(Rows(1, 4, 12));
+  ASSERT_THAT(next, IsOk());
+  EXPECT_THAT(next->session_positions(), ElementsAre(4));
+  EXPECT_EQ(s->position(), 4);
+  EXPECT_EQ(s->kept_bytes(), 2 * 4 * 4 * 4);
+  EXPECT_EQ(server_.session_keys("lost-answer"),
+            Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
+
+  server_.DropSessions();
+  ASSERT_THAT(s->Step(Rows(1, 4, 16)), IsOk());
+  EXPECT_EQ(s->recreations(), 1);
+  EXPECT_EQ(server_.session_keys("lost-answer"),
+            Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12), Rows(1, 4, 16)}));
+}
+
+// A lost answer over a failed connection: the channel sends the step again,
+// which the server refuses (ABORTED: it already has the row). The next step
+// asks, and goes on. Before, every later step was ABORTED for good.
+TEST_F(SessionTest, AStepSentAgainAfterItWasAppliedIsSettledByTheNextStep) {
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream);
+    FakeAttentionServer server;
+    ClientOptions options;
+    options.target = server.address();
+    absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
+    ASSERT_THAT(client, IsOk());
+    std::unique_ptr<Session> s = Open("resent", /*keep_rows=*/false, stream, client->get());
+    ASSERT_NE(s, nullptr);
+    ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+    server.LoseAnswerOfCall(2, grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+                StatusIs(absl::StatusCode::kAborted,
+                         "session resent: position 2 was expected, the session holds 3"));
+    ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
+    EXPECT_EQ(s->position(), 4);
+    EXPECT_EQ(server.session_keys("resent"),
+              Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
+  }
+}
+
+// The natural retry of a step whose answer was lost: the same rows again.
+// Once the server turns out to have applied them, the retry is sent
+// read-only, so the rows are appended once and the answer is the lost one.
+TEST_F(SessionTest, RetryingAStepWhoseAnswerWasLostAppendsItOnce) {
+  for (const bool keep_rows : {false, true}) {
+    SCOPED_TRACE(keep_rows);
+    FakeAttentionServer server;
+    ClientOptions options;
+    options.target = server.address();
+    absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
+    ASSERT_THAT(client, IsOk());
+    std::unique_ptr<Session> s = Open("retry", keep_rows, /*stream=*/false, client->get());
+    ASSERT_NE(s, nullptr);
+    ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+    server.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_THAT(s->Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+    absl::StatusOr<v1::AttendResponse> again = s->Step(Rows(1, 4, 8));
+    ASSERT_THAT(again, IsOk());
+    EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
+    EXPECT_THAT(again->session_positions(), ElementsAre(3));
+    EXPECT_EQ(s->position(), 3);
+    EXPECT_EQ(server.session_keys("retry"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
+    // And the next step is a step again.
+    ASSERT_THAT(s->Step(Rows(1, 4, 8)), IsOk());
+    EXPECT_EQ(s->position(), 4);
+    EXPECT_EQ(server.session_keys("retry"),
+              Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 8)}));
+    EXPECT_EQ(s->kept_bytes(), keep_rows ? 2 * 4 * 4 * 4 : 0);
+  }
+}
+
+// A replica that left and came back still has an old copy of a session that
+// lived elsewhere meanwhile, fewer rows than the client's: with kept rows it
+// is closed and the session recreated from them; without, refused.
+TEST_F(SessionTest, AStaleCopyIsReplacedFromTheKeptRows) {
+  for (const bool keep_rows : {false, true}) {
+    SCOPED_TRACE(keep_rows);
+    const std::string id = keep_rows ? "stale-kept" : "stale";
+    std::unique_ptr<Session> s = Open(id, keep_rows);
+    ASSERT_NE(s, nullptr);
+    ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+    ASSERT_THAT(s->Step(Rows(2, 4, 8)), IsOk());
+    // The server's copy goes back to the first two rows.
+    ASSERT_THAT(client_->CloseSessions({id}), IsOk());
+    v1::AttendRequest old;
+    *old.mutable_query() = Rows(2, 4, 0);
+    old.mutable_session()->add_ids(id);
+    old.mutable_session()->add_positions(0);
+    old.mutable_session()->set_create(true);
+    ASSERT_THAT(client_->Attend(old), IsOk());
+
+    EXPECT_THAT(s->Step(Rows(1, 4, 16)),
+                StatusIs(absl::StatusCode::kAborted,
+                         absl::StrCat("session ", id, ": position 4 was expected, the session holds 2")));
+    if (!keep_rows) {
+      EXPECT_THAT(s->Step(Rows(1, 4, 16)),
+                  StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("a stale copy")));
+      continue;
+    }
+    ASSERT_THAT(s->Step(Rows(1, 4, 16)), IsOk());
+    EXPECT_EQ(s->position(), 5);
+    EXPECT_EQ(s->recreations(), 1);
+    EXPECT_EQ(server_.session_keys(id), Concat({Rows(2, 4, 0), Rows(2, 4, 8), Rows(1, 4, 16)}));
+  }
+}
+
+// A step that failed without being applied: the next step asks, finds the
+// position unchanged, and is sent at it.
+TEST_F(SessionTest, AStepThatFailedUnappliedIsSettledByTheNextStep) {
+  std::unique_ptr<Session> s = Open("unapplied", /*keep_rows=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  server_.FailCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s->Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  ASSERT_THAT(s->Step(Rows(1, 4, 8)), IsOk());
+  EXPECT_EQ(s->position(), 3);
+  EXPECT_EQ(s->kept_bytes(), 2 * 3 * 4 * 4);
+  EXPECT_EQ(server_.session_keys("unapplied"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
+}
+
+// With kept rows, a count that no unsure step explains is another writer's:
+// refused, rather than kept rows that no longer match the server's.
+TEST_F(SessionTest, KeptRowsRefuseAPositionNoUnsureStepExplains) {
+  std::unique_ptr<Session> s = Open("two-writers", /*keep_rows=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  server_.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s->Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  StepElsewhere("two-writers", 3);
+  EXPECT_THAT(s->Step(Rows(1, 4, 12)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("the server holds 4 rows, this client 2 and 1 step(s) whose "
+                                 "outcome is unknown, none of which makes 4")));
+  EXPECT_EQ(s->position(), 2);
+}
+
+// A first step whose answer was lost may have created the session: Close
+// closes it all the same, and a later step goes on from what the server has.
+TEST_F(SessionTest, AFirstStepWhoseAnswerWasLostIsClosedAndContinued) {
+  std::unique_ptr<Session> s = Open("maybe");
+  ASSERT_NE(s, nullptr);
+  server_.LoseAnswerOfCall(1, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s->Step(Rows(3, 4, 0)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  EXPECT_FALSE(s->open());
+  EXPECT_EQ(server_.open_sessions(), 1);
+  ASSERT_THAT(s->Close(), IsOk());
+  EXPECT_EQ(server_.open_sessions(), 0);
+
+  std::unique_ptr<Session> t = Open("maybe-2");
+  ASSERT_NE(t, nullptr);
+  server_.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(t->Step(Rows(3, 4, 0)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  ASSERT_THAT(t->Step(Rows(1, 4, 12)), IsOk());
+  EXPECT_TRUE(t->open());
+  EXPECT_EQ(t->position(), 4);
+}
+
+// Only a NOT_FOUND that names the session is recreated: another (a model the
+// server does not have, say) is returned as it is, with no kept rows resent.
+TEST_F(SessionTest, OnlyTheSessionsOwnNotFoundIsRecreated) {
+  std::unique_ptr<Session> s = Open("modelled", /*keep_rows=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  server_.FailCall(2, grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+              StatusIs(absl::StatusCode::kNotFound, "injected failure of call 2"));
+  EXPECT_EQ(s->recreations(), 0);
+  EXPECT_EQ(server_.attend_calls(), 2);
+  ASSERT_THAT(s->Step(Rows(1, 4, 8)), IsOk());
+  EXPECT_EQ(s->position(), 3);
+}
+
+// An id of any bytes travels: gRPC carries only printable ASCII in a header,
+// so the affinity goes %-encoded (it aborted the process before).
+TEST_F(SessionTest, AnyIdIsAnAffinityGrpcCanCarry) {
+  std::unique_ptr<Session> s = Open("caf\xc3\xa9 %\n1");
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(1, 4, 0)), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "caf%C3%A9%20%25%0A1");
+  ASSERT_THAT(client_->GetSession("caf\xc3\xa9 %\n1"), IsOk());
+  EXPECT_EQ(server_.last_affinity(), "caf%C3%A9%20%25%0A1");
+  ASSERT_THAT(s->Close(), IsOk());
+  EXPECT_EQ(server_.open_sessions(), 0);
 }
 
 }  // namespace

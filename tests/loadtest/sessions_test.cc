@@ -120,7 +120,7 @@ TEST_F(SessionLoadTest, WithoutKeptRowsALostSessionEndsItsDecoder) {
   EXPECT_EQ(result->sessions.steps, 1);
   EXPECT_EQ(result->stats.sent, 2);
   EXPECT_EQ(result->stats.calls_by_code[static_cast<int>(absl::StatusCode::kNotFound)], 1);
-  EXPECT_EQ(result->stats.first_error, "NOT_FOUND: session test-0 is not open");
+  EXPECT_EQ(result->stats.first_error, "NOT_FOUND: session \"test-0\" is not open");
   EXPECT_EQ(result->sessions.closed, 0);
   EXPECT_EQ(result->sessions.cache_bytes_read, kRowBytes * 5.0);
 }
@@ -135,6 +135,20 @@ TEST_F(SessionLoadTest, AFailedPrefillIsCountedAndSendsNoStep) {
   EXPECT_EQ(result->stats.errors(), 1);
   EXPECT_EQ(result->stats.first_error, "RESOURCE_EXHAUSTED: injected failure of call 1");
   EXPECT_EQ(server_.attend_calls(), 1);
+}
+
+// A prefill whose answer was lost may have created the session: the decoder
+// closes it all the same (it stayed until it expired before).
+TEST_F(SessionLoadTest, APrefillWhoseAnswerWasLostIsClosed) {
+  server_.LoseAnswerOfCall(1, grpc::StatusCode::DEADLINE_EXCEEDED);
+  absl::StatusOr<SessionRunResult> result = RunSessions(Options(1, 4, 5));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->sessions.opened, 0);
+  EXPECT_EQ(result->sessions.closed, 0);
+  EXPECT_EQ(result->stats.errors(), 1);
+  EXPECT_EQ(server_.attend_calls(), 1);
+  EXPECT_EQ(server_.closed_sessions(), 1);
+  EXPECT_EQ(server_.open_sessions(), 0);
 }
 
 TEST_F(SessionLoadTest, AnInterruptedRunClosesItsSessions) {
