@@ -286,6 +286,8 @@ class SessionProxyTest : public ::testing::Test {
           absl::StrCat("ATTENTION_PROXY_BIND=127.0.0.1:", proxy_port_)};
       for (int i = 0; i < kReplicas; ++i) {
         env.push_back(absl::StrCat("ATTENTION_REPLICA_", i + 1, "=127.0.0.1:", replicas_[i].port));
+        env.push_back(absl::StrCat("ATTENTION_REPLICA_", i + 1,
+                                   "_CHECK_PORT=", replicas_[i].metrics_port));
       }
       absl::StatusOr<Process> p = Process::Start(
           {ATTENTION_HAPROXY_BIN, "-db", "-f", ATTENTION_SOURCE_DIR "/deploy/haproxy/haproxy.cfg"},
