@@ -239,8 +239,10 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   if (resync_needed_) ATTN_RETURN_IF_ERROR(Resync());
   // The step that failed, sent again (its rows the same), after the server
   // turned out to have applied it: asked read-only, for the answer it had.
+  // Kept until such a retry is answered, so that a retry of a failed retry
+  // is one too; another step ends it.
   const bool again = applied_.has_value() && SameRows(request, *applied_);
-  applied_.reset();
+  if (!again) applied_.reset();
   if (again) {
     request.clear_key();
     request.clear_value();
@@ -256,6 +258,7 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   absl::StatusOr<v1::AttendResponse> answer = Send(request);
   if (answer.ok()) {
     if (!again) Advance(request, position_, *answer);
+    applied_.reset();
     Settled();
     return answer;
   }

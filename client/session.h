@@ -158,7 +158,8 @@ class Session {
   // step asks the server first (Resync).
   std::vector<v1::AttendRequest> unsure_;
   bool resync_needed_ = false;
-  // The unsure step Resync found applied, until the next step is sent.
+  // The unsure step Resync found applied, until a step other than its retry
+  // is sent or its retry is answered.
   std::optional<v1::AttendRequest> applied_;
   // With options.stream, the open stream (null before the first step and
   // after one ended).

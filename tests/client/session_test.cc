@@ -544,6 +544,22 @@ TEST_F(SessionTest, RetryingAStepWhoseAnswerWasLostAppendsItOnce) {
   }
 }
 
+// A retry that fails (its read-only call) is still a retry when sent again.
+TEST_F(SessionTest, ARetryOfAFailedRetryAppendsNothingEither) {
+  std::unique_ptr<Session> s = Open("retry-twice", /*keep_rows=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  server_.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s->Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  server_.FailCall(3, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, "injected failure of call 3"));
+  ASSERT_THAT(s->Step(Rows(1, 4, 8)), IsOk());
+  EXPECT_EQ(s->position(), 3);
+  EXPECT_EQ(s->kept_bytes(), 2 * 3 * 4 * 4);
+  EXPECT_EQ(server_.session_keys("retry-twice"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
+}
+
 // A replica that left and came back still has an old copy of a session that
 // lived elsewhere meanwhile, fewer rows than the client's: with kept rows it
 // is closed and the session recreated from them; without, refused.

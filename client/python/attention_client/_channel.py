@@ -48,6 +48,15 @@ def _read(option, value):
 AFFINITY_HEADER = "attention-affinity"
 
 
+def affinity_header_value(key):
+    """The header's value for `key` (a session or group id, any text): gRPC
+    carries only printable ASCII in a header, so the UTF-8 bytes outside
+    '!'..'~', and '%' itself, go as %XX, as the C++ client sends them
+    (common/metadata.h), so that both route a session to one replica."""
+    return "".join(chr(b) if 0x20 < b < 0x7F and b != 0x25 else f"%{b:02X}"
+                   for b in str(key).encode())
+
+
 class Settings:
     """A client's arguments, checked: the channel's options and credentials,
     and each call's metadata and default timeout."""
@@ -96,7 +105,7 @@ class Settings:
         replicas"): a proxy hashing on it keeps the session on one replica."""
         if not affinity:
             return self.metadata
-        return (self.metadata or ()) + ((AFFINITY_HEADER, str(affinity)),)
+        return (self.metadata or ()) + ((AFFINITY_HEADER, affinity_header_value(affinity)),)
 
     def call_timeout(self, timeout):
         """The deadline of one call: its own timeout, or the client's."""

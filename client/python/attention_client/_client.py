@@ -97,8 +97,10 @@ class Client:
         are what every step sends besides its rows (model or num_heads and
         score, causal="bottom_right", layout, ...); cache_dtype "float32" or
         "bfloat16"; keep_rows keeps every row sent, to recreate the session
-        when the server answers NOT_FOUND. Every call of the session carries
-        "attention-affinity": `affinity` (a group id of the caller's), or the id.
+        when the server answers that it has none such (NOT_FOUND 'session
+        "<id>" ...'; another NOT_FOUND is raised as it is). Every call of the
+        session carries "attention-affinity": `affinity` (a group id of the
+        caller's), or the id, %-encoded (_channel.affinity_header_value).
         stream=True is attention_client.aio's: here steps are unary calls."""
         if stream:
             raise invalid("stream=True: the blocking client's session steps are unary Attend "
@@ -134,10 +136,42 @@ class Client:
 
     def close_sessions(self, ids, *, timeout=..., affinity=None):
         """CloseSessions: a CloseSessionsResponse listing `closed` and `not_found`.
-        Sent with "attention-affinity": `affinity`, or the first id."""
+        With `affinity`, one call sent with "attention-affinity": `affinity`.
+        Without, one call per distinct id, sent with that id (a proxy hashing
+        on it reaches each id's replica), all at once; their answers merged
+        in the order of `ids`, or the first failure in that order raised once
+        every call has ended."""
         ids = list(ids)
-        return self._call(self._stub.CloseSessions, service_pb2.CloseSessionsRequest(ids=ids),
-                          timeout, affinity or (ids[0] if ids else None))
+        distinct = list(dict.fromkeys(ids))
+        if affinity or len(distinct) < 2:
+            return self._call(self._stub.CloseSessions, service_pb2.CloseSessionsRequest(ids=ids),
+                              timeout, affinity or (ids[0] if ids else None))
+        if self._closed:
+            raise closed_client()
+        wait = self._settings.call_timeout(timeout)
+        calls = [self._stub.CloseSessions.future(service_pb2.CloseSessionsRequest(ids=[id]),
+                                                 timeout=wait,
+                                                 metadata=self._settings.call_metadata(id))
+                 for id in distinct]
+        answers = []
+        for call in calls:
+            try:
+                answers.append(call.result())
+            except grpc.RpcError as e:
+                answers.append(from_rpc_error(e))
+        return merge_closed(answers)
+
+
+def merge_closed(answers):
+    """One CloseSessionsResponse of the answers to one CloseSessions per id,
+    in their order; the first exception among them is raised."""
+    merged = service_pb2.CloseSessionsResponse()
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+        merged.closed.extend(answer.closed)
+        merged.not_found.extend(answer.not_found)
+    return merged
 
 
 class Session(_session.SessionBase):
@@ -152,11 +186,21 @@ class Session(_session.SessionBase):
         the session holds. A step the server refuses changes nothing; after one
         whose outcome is unknown (DEADLINE_EXCEEDED, UNAVAILABLE, ABORTED, an
         interrupt, ...) the next step first asks the server where the session
-        is (GetSession, _session.SessionCore.resync)."""
+        is (GetSession, _session.SessionCore.resync). If the server had applied
+        it, sending the same rows again (the natural retry) appends nothing:
+        it is sent read-only, and answered as the lost answer would have been."""
         core = self._core
         step = core.prepare(query, key, value)
         if core.resync_needed:
             self._resync(timeout)
+        if core.retried(step):
+            # Appends nothing, so a failure leaves nothing unsure.
+            answer = _wire.decode(self._client._call(
+                self._client._attend, core.request(step, read_only=True), timeout,
+                core.affinity), step[3])
+            core.applied = None
+            core.succeeded()
+            return answer
         try:
             try:
                 raw = self._client._call(self._client._attend, core.request(step), timeout,
@@ -187,14 +231,16 @@ class Session(_session.SessionBase):
             try:
                 info = self._client.get_session(core.id, timeout=timeout, affinity=core.affinity)
             except AttentionError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
+                if not _session.not_found(e, core.id):
                     raise
                 info = None
             if (info is None or info.idle_ms != 0 or
                     (deadline is not None and time.monotonic() >= deadline)):
                 break
             time.sleep(_session.RESYNC_POLL_S)
-        core.resync(info)
+        if core.resync(info):  # a stale copy: closed, so that the step recreates the session
+            self._client.close_sessions([core.id], timeout=timeout, affinity=core.affinity)
+            core.succeeded()
 
     def close(self, *, timeout=...):
         """Closes the session on the server (OK if it no longer had it); later

@@ -1,18 +1,21 @@
 """A session's state, shared by the blocking and the asyncio clients: what
 client/session.h does in C++. The id and positions are filled in, the first
 step creates the session, and with keep_rows every key and value row sent is
-kept so that a step answered NOT_FOUND is retried once as a recreation: one
-create request carrying every kept row and then the step's, whose answer is
-the step's answer.
+kept so that a step the server answers that it has no such session
+(not_found) is retried once as a recreation: one create request carrying
+every kept row and then the step's, whose answer is the step's answer.
 
 A step that fails without the server's refusal (past its deadline, its task
 cancelled, the connection lost, ABORTED after a resend) may have been applied
 all the same. Its outcome is unknown, so the next step first asks the server
 (GetSession) how many rows the session holds and goes on from there: the
 step counts as applied when the server holds its rows too (with keep_rows,
-they are then kept), and with keep_rows a count that no such step explains
-is FAILED_PRECONDITION rather than kept rows that no longer match the
-server's."""
+they are then kept), and the next step, if it has the same rows (its retry),
+is sent read-only, for the answer that was lost. A server holding fewer rows
+than the answered steps put there holds a stale copy: with keep_rows it is
+closed and the step recreates the session, else the step is
+FAILED_PRECONDITION. With keep_rows a count that no such step explains is
+FAILED_PRECONDITION rather than kept rows that no longer match the server's."""
 import uuid
 
 import grpc
@@ -31,6 +34,17 @@ _UNSURE_CODES = frozenset({
     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
     grpc.StatusCode.DATA_LOSS})
+
+
+def not_found(error, session_id):
+    """Whether `error` says that the server has no session `session_id`: every
+    such NOT_FOUND of the server's starts 'session "<id>"'
+    (server/session_store.cc, server/attention_service.cc), unlike another
+    NOT_FOUND (a model that is not registered)."""
+    return (error.code() == grpc.StatusCode.NOT_FOUND and
+            (error.details() or "").startswith(f'session "{session_id}"'))
+
+
 # While a request holds the session (GetSession's idle_ms 0) the one whose
 # outcome is unknown may still be appending: its wait between GetSessions.
 RESYNC_POLL_S = 0.02
@@ -116,6 +130,8 @@ class SessionCore:
         # next step asks the server first (resync).
         self.unsure = []
         self.resync_needed = False
+        # The unsure step resync found applied, until the next step is sent.
+        self.applied = None
 
     def _axis(self, name, rows):
         if len(rows.shape) == 3:
@@ -145,19 +161,34 @@ class SessionCore:
         keys = k if k is not None else q
         return keys, v if v is not None else keys
 
-    def request(self, step):
-        """The bytes of `step` at the session's position."""
+    def request(self, step, read_only=False):
+        """The bytes of `step` at the session's position; read_only: its
+        query alone, appending nothing."""
         q, k, v, kind = step
         spec = attention_pb2.SessionSpec(ids=[self.id], positions=[self.position])
-        if not self.created:
+        if read_only:
+            spec.read_only = True
+            k = v = None
+        elif not self.created:
             spec.create = True
             spec.cache_dtype = self.cache_dtype
         return _request.build(q, k, v, self.fields, spec)[0]
 
+    def retried(self, step):
+        """Whether `step`, about to be sent, is the retry of the step resync
+        found applied (the same key and value rows): it is then sent
+        read_only, and its answer is the one that was lost. That step is
+        remembered until its retry is answered (a retry of a failed retry is
+        one too) or another step is sent."""
+        if self.applied is not None and self._same_rows(step, self.applied):
+            return True
+        self.applied = None
+        return False
+
     def may_recreate(self, error):
-        """Whether a step that failed with `error` is retried as a recreation."""
-        return (error.code() == grpc.StatusCode.NOT_FOUND and self.created and
-                self.keys is not None)
+        """Whether a step that failed with `error` is retried as a recreation:
+        the server has no such session, and the kept rows can make it again."""
+        return self.created and self.keys is not None and not_found(error, self.id)
 
     def recreation(self, step):
         """The bytes of `step` as a create request over every kept row, and the
@@ -198,17 +229,25 @@ class SessionCore:
         as a cancelled task's) leaves its outcome unknown."""
         code = error.code() if isinstance(error, grpc.RpcError) else None
         if code is None or code in _UNSURE_CODES:
-            self.unsure.append(step)
+            # A copy: the caller may refill its arrays before the step is
+            # matched against the server's count or a retry.
+            q, k, v, kind = step
+            self.unsure.append(tuple(
+                t if t is None else _wire.WireTensor(t.dtype, t.shape, t.array.copy())
+                for t in (q, k, v)) + (kind,))
             self.resync_needed = True
 
     def resync(self, info):
         """Before a step after one whose outcome is unknown: `info` is the
-        server's SessionInfo, or None when it has no such session."""
+        server's SessionInfo, or None when it has no such session. True when
+        the server holds a stale copy that the caller must close
+        (close_sessions([id]) with the session's affinity, then succeeded())
+        for the step to recreate the session from the kept rows."""
         if info is None:
             # Never created, or lost (the step is then NOT_FOUND, recreated
             # from the kept rows): nothing of the unsure steps is held.
             self.succeeded()
-            return
+            return False
         if info.idle_ms == 0:
             # A request still holds it past the step's timeout: its position
             # is not committed yet. Asked again before the next step.
@@ -219,18 +258,32 @@ class SessionCore:
         held = int(info.position)
         if self.created and held == self.position:
             self.resync_needed = False  # none applied (yet): a later one is ABORTED
-            return
+            return False
+        if self.created and held < self.position:
+            # Fewer rows than answered steps put there: a stale copy, left on
+            # a replica the session has moved back to (it was recreated
+            # elsewhere meanwhile).
+            if self.keys is None:
+                raise AttentionError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"session {self.id}: the server holds {held} rows, fewer than the "
+                    f"{self.position} answered steps put there: a stale copy (its replica left "
+                    "and came back while the session lived elsewhere); close the session and "
+                    "create it again")
+            return True
         applied = [step for step in self.unsure
-                   if self.position + self._count(step) == held]
+                   if self._count(step) is not None and self.position + self._count(step) == held]
+        if applied and all(self._same_rows(step, applied[0]) for step in applied[1:]):
+            self.advance(applied[0], self.position, None)
+            self.applied = applied[0]
+            self.succeeded()
+            return False
         if self.keys is None:
+            # Nothing kept to match: go on at the server's position.
             self.created = True
             self.position = held
             self.succeeded()
-            return
-        if applied and all(self._same_rows(step, applied[0]) for step in applied[1:]):
-            self.advance(applied[0], self.position, None)
-            self.succeeded()
-            return
+            return False
         raise AttentionError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"session {self.id}: the server holds {held} rows, the client {self.position} "
@@ -239,11 +292,19 @@ class SessionCore:
             "the session and open another")
 
     def _count(self, step):
+        """The rows `step` appends (None: not a session's rank)."""
         keys, _ = self._rows(step)
-        return keys.shape[self._axis("key", keys)]
+        try:
+            return keys.shape[self._axis("key", keys)]
+        except AttentionError:
+            return None
 
     def _same_rows(self, a, b):
-        return all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x.array, y.array)
+        """Whether `a` and `b` send the same key and value rows: dtype, shape
+        and bytes (as the C++ client compares them)."""
+        return all(x.dtype == y.dtype and x.shape == y.shape and
+                   np.array_equal(x.array.reshape(-1).view(np.uint8),
+                                  y.array.reshape(-1).view(np.uint8))
                    for x, y in zip(self._rows(a), self._rows(b)))
 
     @property

@@ -16,7 +16,7 @@ import random
 import grpc
 
 from attention_client import _channel, _request, _session, _wire
-from attention_client._client import Client as _BlockingClient
+from attention_client._client import Client as _BlockingClient, merge_closed
 from attention_client._errors import AttentionError, closed_client, from_rpc_error
 from attention_client._proto.attention.v1 import model_pb2, service_pb2, service_pb2_grpc
 from attention_client._wire import Answer
@@ -116,19 +116,42 @@ class Client:
                                 timeout, affinity or id)
 
     async def close_sessions(self, ids, *, timeout=..., affinity=None):
+        """As attention_client.Client.close_sessions."""
         ids = list(ids)
-        return await self._call(self._stub.CloseSessions,
-                                service_pb2.CloseSessionsRequest(ids=ids), timeout,
-                                affinity or (ids[0] if ids else None))
+        distinct = list(dict.fromkeys(ids))
+        if affinity or len(distinct) < 2:
+            return await self._call(self._stub.CloseSessions,
+                                    service_pb2.CloseSessionsRequest(ids=ids), timeout,
+                                    affinity or (ids[0] if ids else None))
+        return merge_closed(await asyncio.gather(
+            *(self._call(self._stub.CloseSessions, service_pb2.CloseSessionsRequest(ids=[id]),
+                         timeout, id) for id in distinct), return_exceptions=True))
+
+
+# How a session's stream that ended without answering may end for its step to
+# be sent again on another: UNAVAILABLE (the server ended it OK, as a draining
+# replica does, or the connection failed), and UNKNOWN, CANCELLED or INTERNAL
+# not of the client's making (a replica killed: "UNKNOWN: No status
+# received", "CANCELLED: Received RST_STREAM").
+_RESEND_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
+                           grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
+
+
+class _Unanswered(Exception):
+    """The stream ended without answering: `error`, and whether the step may
+    be sent again (_RESEND_CODES)."""
+
+    def __init__(self, error, resend):
+        super().__init__(error)
+        self.error, self.resend = error, resend
 
 
 class _StepStream:
     """A session's AttendStream (session(stream=True)): a step is one message
     and its answer, the pair bounded by the step's timeout; the stream itself
     has no deadline. It opens at the first step, and again after one ends. A
-    step whose stream ends UNAVAILABLE (the server ended it OK without
-    answering, as a draining replica does, or the connection failed) is sent
-    again on a new stream, by the channel's retry policy for unary steps
+    step whose stream ends without answering (_RESEND_CODES) is sent again on
+    a new stream, by the channel's retry policy for unary steps
     (_channel.RETRY_ATTEMPTS and the backoffs beside it), all attempts and
     the waits between them within the step's timeout: safe, since a session
     request whose position has passed is ABORTED, never appended twice (the
@@ -150,9 +173,10 @@ class _StepStream:
         for attempt in range(1, _channel.RETRY_ATTEMPTS + 1):
             try:
                 return await self._exchange(request, deadline, timeout)
-            except AttentionError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _channel.RETRY_ATTEMPTS:
-                    raise
+            except _Unanswered as e:
+                if (not e.resend or attempt == _channel.RETRY_ATTEMPTS or
+                        self._client._closed):
+                    raise e.error from None
             pause = random.uniform(0, backoff)
             if deadline is not None:
                 pause = max(0.0, min(pause, deadline - loop.time()))
@@ -188,22 +212,28 @@ class _StepStream:
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no answer on the session's AttendStream within {timeout} s (the stream is "
                 "cancelled; the next step opens another)") from None
-        except grpc.RpcError as e:
-            self.cancel()
-            raise from_rpc_error(e) from None
+        except grpc.RpcError as e:  # the stream ended so
+            raise self._ended(call, from_rpc_error(e)) from None
         except asyncio.CancelledError:  # the caller's task: the answer may still come
             self.cancel()
             raise
         except asyncio.InvalidStateError:  # written after the stream ended
             answer = grpc.aio.EOF
         if answer is grpc.aio.EOF:
-            self.cancel()
             code = await call.code()
             if code == grpc.StatusCode.OK:
-                raise AttentionError(grpc.StatusCode.UNAVAILABLE,
-                                     "the server ended the AttendStream without answering")
-            raise AttentionError(code, await call.details() or "")
+                error = AttentionError(grpc.StatusCode.UNAVAILABLE,
+                                       "the server ended the AttendStream without answering")
+            else:
+                error = AttentionError(code, await call.details() or "")
+            raise self._ended(call, error)
         return answer
+
+    def _ended(self, call, error):
+        """`call`, the stream, ended with `error` instead of an answer."""
+        mine = call is not self._call  # cancelled here (cancel, close), not by the server
+        self.cancel()
+        return _Unanswered(error, error.code() in _RESEND_CODES and not mine)
 
     async def close(self, timeout):
         """Half-closes the stream and waits (up to `timeout`) for the server to end it."""
@@ -252,6 +282,11 @@ class Session(_session.SessionBase):
         step = core.prepare(query, key, value)
         if core.resync_needed:
             await self._resync(timeout)
+        if core.retried(step):  # as attention_client.Session.step
+            answer = await self._send(core.request(step, read_only=True), step[3], timeout)
+            core.applied = None
+            core.succeeded()
+            return answer
         try:
             try:
                 answer = await self._send(core.request(step), step[3], timeout)
@@ -280,14 +315,16 @@ class Session(_session.SessionBase):
                 info = await self._client.get_session(core.id, timeout=timeout,
                                                       affinity=core.affinity)
             except AttentionError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
+                if not _session.not_found(e, core.id):
                     raise
                 info = None
             if info is None or info.idle_ms != 0 or (deadline is not None and
                                                       loop.time() >= deadline):
                 break
             await asyncio.sleep(_session.RESYNC_POLL_S)
-        core.resync(info)
+        if core.resync(info):  # a stale copy: closed, so that the step recreates the session
+            await self._client.close_sessions([core.id], timeout=timeout, affinity=core.affinity)
+            core.succeeded()
 
     async def close(self, *, timeout=...):
         if self._core.closed:

@@ -26,6 +26,19 @@ def tearDownModule():
     server.stop()
 
 
+def not_open(sid):
+    """The server's NOT_FOUND message for a session it does not have
+    (server/session_store.cc)."""
+    return (f'session "{sid}" is not open (unknown, closed, expired or evicted); create it '
+            "again with its rows")
+
+
+# How the stand-in's streams end unanswered, with the details gRPC gives when a
+# replica is killed or drains.
+ENDINGS = {"unavailable": "replica draining", "unknown": "No status received",
+           "cancelled": "Received RST_STREAM", "internal": "stream terminated"}
+
+
 def randn(seed, *shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
@@ -128,6 +141,21 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
             await self.client.get_session(session.id)
         self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
 
+    async def test_a_session_whose_id_is_not_ascii(self):
+        rows = randn(64, 1, 2, 3, 8)
+        session = self.client.session("café 1%", causal="bottom_right", stream=True,
+                                      keep_rows=True)
+        await session.step(rows[:, :, :2])
+        self.assertEqual((await self.client.get_session("café 1%")).position, 2)
+        await self.client.close_sessions(["café 1%"])
+        answer = await session.step(rows[:, :, 2:])  # NOT_FOUND naming it: recreated
+        self.assertEqual((session.recreations, session.position), (1, 3))
+        np.testing.assert_allclose(answer.output, attention(rows[:, :, 2:], rows, rows, True),
+                                   rtol=1e-5, atol=1e-6)
+        await session.close()
+        self.assertEqual(list((await self.client.close_sessions(["café 1%"])).not_found),
+                         ["café 1%"])
+
     async def test_calls_after_close_are_failed_precondition(self):
         closed = aio.Client(server.target)
         sessions = [closed.session(num_heads=1), closed.session(num_heads=1, stream=True)]
@@ -158,35 +186,61 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
     """A session's stream against a stand-in AttendStream: `behave(stream,
     message)` (both counted from 1) says what each message gets: "answer"
     (its query as output, position + rows), "end" (the stream ends OK
-    unanswered), "unavailable" (ends UNAVAILABLE; "slow unavailable" after
-    0.2 s), "hang" (never answered) or
-    "late" (applied, then answered after 0.5 s). The stand-in holds each
-    session's position as the server does: a message at another position is
-    answered ABORTED, and an applied one appends its rows; GetSession reports
-    it (idle_ms 0 while a "late" message holds the session), CloseSessions is
-    answered OK, and unary Attend is "answer" or "late" by `behave(0, n)`."""
+    unanswered), "unavailable", "unknown", "cancelled" or "internal" (ends
+    so, unanswered; "slow unavailable" after 0.2 s, "applied unknown" once
+    the message is applied), "hang" (never answered), "late" (applied, then
+    answered after 0.5 s), "deadline" (DEADLINE_EXCEEDED, "applied deadline"
+    once applied: an answer lost) or "no model" (NOT_FOUND naming the model,
+    not the session). The stand-in holds each session's position and key
+    rows as the server does: a message at another position is answered
+    ABORTED, an applied one appends its rows, a read_only one appends
+    nothing (its answer: the query, and the position); GetSession reports
+    the position (idle_ms 0 while a "late" message holds the session),
+    CloseSessions closes those it holds, and unary Attend is "answer",
+    "late", "deadline", "applied deadline" or "no model" by `behave(0, n)`.
+    NOT_FOUND messages are the server's."""
 
     async def asyncSetUp(self):
         self.streams = []  # per stream: (metadata, [requests])
         self.unary = []  # unary Attend requests
         self.behave = lambda stream, message: "answer"
         self.held = {}  # session id -> position
+        self.rows = {}  # session id -> its key rows, [1, position, E]
         self.busy = set()
+        self.get_session_refusal = None  # GetSession's NOT_FOUND message, when set
 
         async def apply(request, what):
             """The response's bytes to `request` after `what`, or None."""
             sid, position = request.session.ids[0], request.session.positions[0]
+            if what == "no model":
+                return attention_pb2.AttendResponse(status=attention_pb2.Status(
+                    code=grpc.StatusCode.NOT_FOUND.value[0],
+                    message='model: "x" is not registered (ListModels shows what is)')
+                ).SerializeToString()
             if sid not in self.held and not request.session.create:
                 return attention_pb2.AttendResponse(status=attention_pb2.Status(
                     code=grpc.StatusCode.NOT_FOUND.value[0],
-                    message=f"session {sid} is not open")).SerializeToString()
+                    message=not_open(sid))).SerializeToString()
             if self.held.get(sid, 0) != position:
                 return attention_pb2.AttendResponse(status=attention_pb2.Status(
                     code=grpc.StatusCode.ABORTED.value[0],
                     message=f"session {sid} holds {self.held.get(sid, 0)} rows, not "
                             f"{position}")).SerializeToString()
+            deadline = attention_pb2.AttendResponse(status=attention_pb2.Status(
+                code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                message="Deadline Exceeded")).SerializeToString()
+            if what == "deadline":
+                return deadline
+            if request.session.read_only:
+                return attention_pb2.AttendResponse(
+                    output=request.query, session_positions=[position]).SerializeToString()
             rows = request.key if request.HasField("key") else request.query
             self.held[sid] = position + rows.shape[1]
+            rows = np.frombuffer(rows.data, np.float32).reshape(rows.shape)
+            self.rows[sid] = rows if request.session.create else np.concatenate(
+                [self.rows[sid], rows], axis=1)
+            if what == "applied deadline":
+                return deadline
             if what == "late":
                 self.busy.add(sid)
                 try:
@@ -208,8 +262,11 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 if what == "slow unavailable":
                     await asyncio.sleep(0.2)
                     what = "unavailable"
-                if what == "unavailable":
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "replica draining")
+                if what == "applied unknown":
+                    await apply(seen[-1], "answer")
+                    what = "unknown"
+                if what in ENDINGS:
+                    await context.abort(grpc.StatusCode[what.upper()], ENDINGS[what])
                 if what == "hang":
                     await asyncio.sleep(3600)
                 yield await apply(seen[-1], what)
@@ -225,16 +282,24 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
 
         async def get_session(raw, context):
             sid = service_pb2.GetSessionRequest.FromString(raw).id
+            if self.get_session_refusal:
+                await context.abort(grpc.StatusCode.NOT_FOUND, self.get_session_refusal)
             if sid not in self.held:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"session {sid} is not open")
+                await context.abort(grpc.StatusCode.NOT_FOUND, not_open(sid))
             return service_pb2.SessionInfo(id=sid, position=self.held[sid], idle_ms=0 if sid in
                                            self.busy else 1).SerializeToString()
 
         async def close_sessions(raw, context):
-            self.closed.append(raw)
-            return b""
+            ids = list(service_pb2.CloseSessionsRequest.FromString(raw).ids)
+            self.closed.append((dict(context.invocation_metadata()).get("attention-affinity"),
+                                ids))
+            answer = service_pb2.CloseSessionsResponse()
+            for sid in dict.fromkeys(ids):
+                (answer.closed if self.held.pop(sid, None) is not None else
+                 answer.not_found).append(sid)
+            return answer.SerializeToString()
 
-        self.closed = []  # CloseSessions requests
+        self.closed = []  # per CloseSessions: (its affinity, its ids)
         handler = grpc.method_handlers_generic_handler("attention.v1.AttentionService", {
             "AttendStream": grpc.stream_stream_rpc_method_handler(attend_stream),
             "Attend": grpc.unary_unary_rpc_method_handler(attend),
@@ -264,6 +329,91 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(self.positions(), [[0, 3], [3, 4]])
         self.assertEqual((self.session.position, self.session.streams_opened), (5, 2))
         self.assertEqual({m.get("attention-affinity") for m, _ in self.streams}, {"user-3"})
+
+    async def test_a_stream_ended_unknown_cancelled_or_internal_sends_the_step_again(self):
+        # As a replica SIGKILLed ends it: before applying the step, the step
+        # sent again is answered...
+        for ending in ("unknown", "cancelled", "internal"):
+            with self.subTest(ending):
+                self.streams = []
+                session = self.client.session(f"ended-{ending}", num_heads=1, stream=True)
+                self.behave = lambda stream, message: (ending if (stream, message) == (1, 2)
+                                                       else "answer")
+                await session.step(randn(89, 1, 3, 4))
+                answer = await session.step(randn(90, 1, 1, 4))
+                self.assertEqual(answer.session_positions, [4])
+                self.assertEqual(self.positions(), [[0, 3], [3]])
+                self.assertEqual((session.position, session.streams_opened), (4, 2))
+        # ... and after: ABORTED, and the next step finds it applied.
+        self.streams = []
+        session = self.client.session("ended-applied", num_heads=1, stream=True, keep_rows=True)
+        self.behave = lambda stream, message: ("applied unknown" if (stream, message) == (1, 2)
+                                               else "answer")
+        await session.step(randn(91, 1, 3, 4))
+        with self.assertRaises(attention_client.AttentionError) as e:
+            await session.step(randn(92, 1, 1, 4))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+        self.assertEqual((self.held["ended-applied"], session.position), (4, 3))
+        answer = await session.step(randn(93, 1, 1, 4))
+        self.assertEqual(answer.session_positions, [5])
+        self.assertEqual(self.positions(), [[0, 3], [3, 4]])
+        self.assertEqual((session.position, session.kept_bytes), (5, 2 * 5 * 4 * 4))
+
+    async def test_a_not_found_that_does_not_name_the_session_is_not_recreated(self):
+        with attention_client.Client(self.target, timeout=10) as blocking:
+            for label, stream in (("aio", False), ("aio", True), ("blocking", False)):
+                with self.subTest(label, stream=stream):
+                    self.unary, self.streams = [], []
+                    sid = f"no-model-{label}-{stream}"
+                    if label == "aio":
+                        session = self.client.session(sid, num_heads=1, keep_rows=True,
+                                                      stream=stream)
+                        step = session.step
+                    else:
+                        session = blocking.session(sid, num_heads=1, keep_rows=True)
+                        step = lambda *args: asyncio.to_thread(session.step, *args)
+                    sent = lambda: len(self.unary) + sum(len(seen) for _, seen in self.streams)
+                    self.behave = lambda st, message: "no model" if message == 2 else "answer"
+                    await step(randn(94, 1, 2, 4))
+                    with self.assertRaises(attention_client.AttentionError) as e:
+                        await step(randn(95, 1, 1, 4))
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+                    self.assertIn('model: "x" is not registered', e.exception.details())
+                    self.assertEqual((sent(), session.recreations, session.position), (2, 0, 2))
+                    # The server's NOT_FOUND for the session itself: recreated.
+                    del self.held[sid]
+                    answer = await step(randn(96, 1, 1, 4))
+                    self.assertEqual((sent(), session.recreations, answer.session_positions),
+                                     (4, 1, [3]))
+
+    async def test_close_sessions_sends_each_id_with_its_own_affinity(self):
+        with attention_client.Client(self.target, timeout=10) as blocking:
+            for label, close in (
+                    ("aio", self.client.close_sessions),
+                    ("blocking",
+                     lambda *args, **kw: asyncio.to_thread(blocking.close_sessions, *args, **kw))):
+                with self.subTest(label):
+                    self.held, self.closed = {"a": 1, "b": 2, "c": 3}, []
+                    answer = await close(["c", "x", "a", "c"])
+                    self.assertEqual(sorted(self.closed),
+                                     [("a", ["a"]), ("c", ["c"]), ("x", ["x"])])
+                    self.assertEqual((list(answer.closed), list(answer.not_found)),
+                                     (["c", "a"], ["x"]))
+                    self.assertEqual(self.held, {"b": 2})
+                    # With an affinity: one call, as the caller groups them.
+                    self.closed = []
+                    answer = await close(["b", "y"], affinity="user-3")
+                    self.assertEqual(self.closed, [("user-3", ["b", "y"])])
+                    self.assertEqual((list(answer.closed), list(answer.not_found)),
+                                     (["b"], ["y"]))
+
+    async def test_a_non_ascii_id_goes_percent_encoded_in_the_affinity_header(self):
+        session = self.client.session("café 1%", num_heads=1, stream=True)
+        await session.step(randn(97, 1, 2, 4))
+        await self.client.close_sessions(["café 1%", "x"])
+        self.assertEqual([m.get("attention-affinity") for m, _ in self.streams],
+                         ["caf%C3%A9%201%25"])
+        self.assertIn(("caf%C3%A9%201%25", ["café 1%"]), self.closed)
 
     async def test_a_step_is_sent_at_most_four_times(self):
         self.behave = lambda stream, message: "unavailable"
@@ -368,6 +518,26 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 await self.check_resynced(session, rows, step, keep_rows)
                 await asyncio.to_thread(session.close)
 
+    async def test_a_resync_answered_a_not_found_not_naming_the_session_raises_it(self):
+        session = self.client.session("resync-other", num_heads=1, keep_rows=True)
+        self.behave = lambda st, message: "late" if message == 2 else "answer"
+        rows = randn(95, 1, 4, 4)
+        await session.step(rows[:, :2])
+        with self.assertRaises(asyncio.TimeoutError):
+            await asyncio.wait_for(session.step(rows[:, 2:3]), 0.2)
+        await asyncio.sleep(0.6)
+        # Not the server's "no such session" (which would settle the step as
+        # not applied): raised, nothing sent, asked again at the next step.
+        self.get_session_refusal = "no route to attention.v1.AttentionService"
+        with self.assertRaises(attention_client.AttentionError) as e:
+            await session.step(rows[:, 3:4])
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertIn("no route", e.exception.details())
+        self.assertEqual(len(self.unary), 2)
+        self.get_session_refusal = None
+        answer = await session.step(rows[:, 3:4])
+        self.assertEqual((answer.session_positions, session.kept_bytes), ([4], 2 * 4 * 4 * 4))
+
     async def test_kept_rows_that_no_longer_match_the_server_are_refused(self):
         session = self.client.session("diverged", num_heads=1, keep_rows=True)
         self.behave = lambda st, message: "late" if message == 2 else "answer"
@@ -385,6 +555,154 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(len(self.unary), 2)  # nothing sent since
         await session.close()
         self.assertEqual(len(self.closed), 1)
+
+
+    # (client, stream, keep_rows) of each session kind the tests below try.
+    KINDS = [("aio", False, False), ("aio", False, True), ("aio", True, False),
+             ("aio", True, True), ("blocking", False, False), ("blocking", False, True)]
+
+    def open_session(self, blocking, label, stream, keep_rows, prefix):
+        """(session, its step as a coroutine function), with affinity "user-3"."""
+        sid = f"{prefix}-{label}-{stream}-{keep_rows}"
+        if label == "aio":
+            session = self.client.session(sid, affinity="user-3", num_heads=1, stream=stream,
+                                          keep_rows=keep_rows)
+            return session, session.step
+        session = blocking.session(sid, affinity="user-3", num_heads=1, keep_rows=keep_rows)
+        return session, lambda *args, **kw: asyncio.to_thread(session.step, *args, **kw)
+
+    def sent(self):
+        """Every request the stand-in got, unary and on streams, in order."""
+        return self.unary + [r for _, seen in self.streams for r in seen]
+
+    async def test_a_step_applied_but_unanswered_sent_again_appends_once(self):
+        # As C++'s Session::Step: the step the resync finds applied, sent
+        # again with the same rows, goes read-only; its answer is the lost one.
+        with attention_client.Client(self.target, timeout=10) as blocking:
+            for kind in self.KINDS:
+                with self.subTest(kind):
+                    self.unary, self.streams = [], []
+                    session, step = self.open_session(blocking, *kind, "retry")
+                    # The 2nd message times out unapplied, and sent again, the
+                    # 3rd is applied but its answer lost: two unsure steps,
+                    # the same rows.
+                    self.behave = lambda st, message: {2: "deadline", 3: "applied deadline"}.get(
+                        message, "answer")
+                    rows = randn(70, 1, 5, 4)
+                    await step(rows[:, :2])
+                    for _ in range(2):
+                        with self.assertRaises(attention_client.AttentionError) as e:
+                            await step(rows[:, 2:3])
+                        self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+                    self.assertEqual((self.held[session.id], session.position), (3, 2))
+                    answer = await step(rows[:, 2:3])  # the caller's retry
+                    np.testing.assert_array_equal(answer.output, rows[:, 2:3])
+                    self.assertEqual((answer.session_positions, session.position), ([3], 3))
+                    retry = self.sent()[-1]
+                    self.assertTrue(retry.session.read_only)
+                    self.assertFalse(retry.session.create)
+                    self.assertEqual(list(retry.session.positions), [3])
+                    self.assertFalse(retry.HasField("key") or retry.HasField("value"))
+                    np.testing.assert_array_equal(self.rows[session.id], rows[:, :3])
+                    # A next step of other rows is appended, and so are the
+                    # same rows again once a step came between.
+                    for rows_in, held in ((rows[:, 3:4], 4), (rows[:, 3:4], 5)):
+                        answer = await step(rows_in)
+                        self.assertEqual((answer.session_positions, session.position),
+                                         ([held], held))
+                        self.assertFalse(self.sent()[-1].session.read_only)
+                    np.testing.assert_array_equal(
+                        self.rows[session.id], np.concatenate([rows[:, :4], rows[:, 3:4]], axis=1))
+                    self.assertEqual(session.kept_bytes, 2 * 5 * 4 * 4 if kind[2] else 0)
+                    if kind[2]:  # the kept rows are the server's: a recreation sends them
+                        del self.held[session.id]
+                        await step(rows[:, 4:5])
+                        self.assertEqual(session.recreations, 1)
+                        np.testing.assert_array_equal(
+                            self.rows[session.id],
+                            np.concatenate([rows[:, :4], rows[:, 3:5]], axis=1))
+
+    async def test_a_step_applied_but_unanswered_then_other_rows_are_appended(self):
+        with attention_client.Client(self.target, timeout=10) as blocking:
+            for kind in self.KINDS:
+                with self.subTest(kind):
+                    self.unary, self.streams = [], []
+                    session, step = self.open_session(blocking, *kind, "other")
+                    self.behave = lambda st, message: ("applied deadline" if message == 2
+                                                       else "answer")
+                    rows = randn(71, 1, 4, 4)
+                    await step(rows[:, :2])
+                    with self.assertRaises(attention_client.AttentionError):
+                        await step(rows[:, 2:3])
+                    answer = await step(rows[:, 3:4])
+                    self.assertEqual((answer.session_positions, session.position), ([4], 4))
+                    self.assertFalse(self.sent()[-1].session.read_only)
+                    # The applied step is forgotten once another was sent.
+                    answer = await step(rows[:, 2:3])
+                    self.assertEqual((answer.session_positions, session.position), ([5], 5))
+                    np.testing.assert_array_equal(
+                        self.rows[session.id],
+                        np.concatenate([rows[:, :3], rows[:, 3:4], rows[:, 2:3]], axis=1))
+
+    async def test_a_step_resent_on_a_new_stream_after_it_was_applied_is_retried_read_only(self):
+        # Its stream ends (UNKNOWN) once the step is applied; sent again on a
+        # new stream it is ABORTED; the caller's retry is answered read-only.
+        session = self.client.session("resent", num_heads=1, stream=True, keep_rows=True)
+        self.behave = lambda stream, message: ("applied unknown" if (stream, message) == (1, 2)
+                                               else "answer")
+        rows = randn(72, 1, 3, 4)
+        await session.step(rows[:, :2])
+        with self.assertRaises(attention_client.AttentionError) as e:
+            await session.step(rows[:, 2:3])
+        self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+        answer = await session.step(rows[:, 2:3])
+        np.testing.assert_array_equal(answer.output, rows[:, 2:3])
+        self.assertEqual((answer.session_positions, session.position), ([3], 3))
+        self.assertEqual(self.positions(), [[0, 2], [2, 3]])
+        self.assertTrue(self.streams[-1][1][-1].session.read_only)
+        np.testing.assert_array_equal(self.rows["resent"], rows)
+        self.assertEqual(session.kept_bytes, 2 * 3 * 4 * 4)
+
+    async def test_a_stale_copy_is_closed_and_recreated_with_kept_rows_else_refused(self):
+        # The session moved to another replica and back: this one still holds
+        # its old copy, fewer rows than the answered steps put there.
+        with attention_client.Client(self.target, timeout=10) as blocking:
+            for kind in self.KINDS:
+                with self.subTest(kind):
+                    self.unary, self.streams, self.closed = [], [], []
+                    session, step = self.open_session(blocking, *kind, "stale")
+                    rows = randn(73, 1, 5, 4)
+                    await step(rows[:, :2])
+                    await step(rows[:, 2:3])
+                    self.held[session.id] = 2
+                    self.rows[session.id] = self.rows[session.id][:, :2]
+                    with self.assertRaises(attention_client.AttentionError) as e:
+                        await step(rows[:, 3:4])
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+                    sent = len(self.sent())
+                    if not kind[2]:
+                        for _ in range(2):
+                            with self.assertRaises(attention_client.AttentionError) as e:
+                                await step(rows[:, 3:4])
+                            self.assertEqual(e.exception.code(),
+                                             grpc.StatusCode.FAILED_PRECONDITION)
+                            self.assertIn(
+                                f"session {session.id}: the server holds 2 rows, fewer than the "
+                                "3 answered steps put there: a stale copy",
+                                e.exception.details())
+                        self.assertEqual((len(self.sent()), self.closed, session.position),
+                                         (sent, [], 3))
+                        continue
+                    answer = await step(rows[:, 3:4])
+                    self.assertEqual(self.closed, [("user-3", [session.id])])
+                    self.assertEqual((answer.session_positions, session.position,
+                                      session.recreations), ([4], 4, 1))
+                    # NOT_FOUND at position 3, then the recreation.
+                    self.assertEqual([(list(r.session.positions), r.session.create)
+                                      for r in self.sent()[sent:]], [([3], False), ([0], True)])
+                    np.testing.assert_array_equal(self.rows[session.id], rows[:, :4])
+                    answer = await step(rows[:, 4:5])
+                    self.assertEqual(answer.session_positions, [5])
 
 
 if __name__ == "__main__":

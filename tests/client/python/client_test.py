@@ -13,6 +13,7 @@ import torch
 
 import attention_client
 from attention_client import AttentionError, _heap
+from attention_client._proto.attention.v1 import attention_pb2
 from reference import attention
 from server_fixture import Server
 
@@ -317,6 +318,39 @@ class SessionTest(unittest.TestCase):
         self.assertEqual(client.get_session(s.id).position, 5)
         s.close()
 
+    def test_a_step_whose_answer_was_lost_sent_again_gets_that_answer(self):
+        # The server applies the 2nd request but its answer is lost (as past
+        # a deadline): the step sent again appends nothing, and its read-only
+        # answer is the one that was lost.
+        rows = randn(20, 1, 2, 5, 8)
+        for keep_rows in (False, True):
+            with self.subTest(keep_rows=keep_rows), attention_client.Client(
+                    server.target, timeout=30) as c:
+                real, sent = c._attend, []
+
+                def attend(request, **kw):
+                    answer = real(request, **kw)
+                    sent.append(attention_pb2.AttendRequest.FromString(request))
+                    if len(sent) == 2:
+                        raise AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
+                    return answer
+                c._attend = attend
+                with c.session(causal="bottom_right", keep_rows=keep_rows) as s:
+                    s.step(rows[:, :, :3])
+                    with self.assertRaises(AttentionError):
+                        s.step(rows[:, :, 3:4])
+                    answer = s.step(rows[:, :, 3:4])
+                    self.assertEqual((s.position, c.get_session(s.id).position), (4, 4))
+                    self.assertTrue(sent[-1].session.read_only)
+                    np.testing.assert_allclose(
+                        answer.output, self.stateless(rows[:, :, 3:4], rows[:, :, :4]),
+                        rtol=1e-5, atol=1e-6)
+                    answer = s.step(rows[:, :, 4:5])
+                    self.assertEqual(answer.session_positions, [5])
+                    np.testing.assert_allclose(answer.output,
+                                               self.stateless(rows[:, :, 4:5], rows),
+                                               rtol=1e-5, atol=1e-6)
+
     def test_without_kept_rows_a_lost_session_is_not_found(self):
         s = client.session("py-lost", causal="bottom_right")
         s.step(randn(18, 1, 2, 2, 8))
@@ -327,7 +361,25 @@ class SessionTest(unittest.TestCase):
         self.assertIn("py-lost", e.exception.details())
         self.assertEqual(s.position, 2)
 
-    def test_rows_that_cannot_follow_the_kept_ones_are_refused_unsent(self):
+    def test_a_session_whose_id_is_not_ascii(self):
+        # Its "attention-affinity" goes %-encoded; the server's NOT_FOUND names it.
+        rows = randn(28, 1, 2, 4, 8)
+        s = client.session("café 1%", keep_rows=True, causal="bottom_right")
+        s.step(rows[:, :, :3])
+        self.assertEqual(client.get_session("café 1%").position, 3)
+        self.assertEqual(list(client.close_sessions(["café 1%", "py-never"]).closed),
+                         ["café 1%"])
+        answer = s.step(rows[:, :, 3:])
+        self.assertEqual((s.recreations, s.position), (1, 4))
+        np.testing.assert_allclose(answer.output, self.stateless(rows[:, :, 3:], rows),
+                                   rtol=1e-5, atol=1e-6)
+        s.close()
+        with self.assertRaises(AttentionError) as e:
+            client.get_session("café 1%")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertIn('session "café 1%"', e.exception.details())
+
+
         s = client.session(keep_rows=True, num_heads=2, causal="bottom_right")
         s.step(randn(20, 1, 3, 8))
         with self.assertRaises(AttentionError) as e:
@@ -432,12 +484,26 @@ class AffinityTest(unittest.TestCase):
         with self.assertRaises(AttentionError):
             self.client.get_session("decoder-5")
         with self.assertRaises(AttentionError):
-            self.client.close_sessions(["decoder-6", "decoder-7"])
+            self.client.close_sessions(["decoder-6"])
         with self.assertRaises(AttentionError):
             self.client.attend(randn(3, 1, 2, 4))
         self.assertEqual(self.seen, [("Attend", "decoder-3"), ("Attend", "user-42"),
                                      ("GetSession", "decoder-5"),
                                      ("CloseSessions", "decoder-6"), ("Attend", None)])
+
+    def test_an_id_outside_printable_ascii_goes_percent_encoded(self):
+        # As common/metadata.h's AffinityHeaderValue: UTF-8 bytes outside
+        # '!'..'~', and '%', as %XX.
+        for affinity in (None, "café 1%"):
+            s = self.client.session("café 1%" if affinity is None else "d", affinity=affinity,
+                                    num_heads=1)
+            with self.assertRaises(AttentionError) as e:
+                s.step(randn(4, 1, 2, 4))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(AttentionError):
+            self.client.get_session("é")
+        self.assertEqual(self.seen, [("Attend", "caf%C3%A9%201%25"),
+                                     ("Attend", "caf%C3%A9%201%25"), ("GetSession", "%C3%A9")])
 
 
 class SecurityTest(unittest.TestCase):

@@ -170,6 +170,70 @@ class SessionResyncTest(unittest.TestCase):
         core.resync(service_pb2.SessionInfo(id="s", position=0, idle_ms=5))
         self.assertFalse(core.resync_needed)
 
+    def resynced(self, keep_rows, failed):
+        """A session at position 2 whose step `failed` [1, 1, 2] failed with its
+        outcome unknown, after a resync that found the server at 3 rows."""
+        core = _session.SessionCore("s", keep_rows, "float32", {})
+        core.advance(core.prepare(np.zeros((1, 2, 2), np.float32), None, None), 0, None)
+        core.failed(core.prepare(failed, None, None),
+                    AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        self.assertFalse(core.resync(service_pb2.SessionInfo(id="s", position=3, idle_ms=5)))
+        self.assertEqual((core.position, core.resync_needed), (3, False))
+        return core
+
+    def test_a_retry_is_the_applied_steps_rows_byte_for_byte(self):
+        # As C++'s SameRows: dtype, shape and bytes (a NaN is its own retry;
+        # -0.0 is not 0.0's), and the caller's array as it was when sent.
+        for keep_rows in (False, True):
+            with self.subTest(keep_rows=keep_rows):
+                row = np.array([[[np.nan, 1.0]]], np.float32)
+                core = self.resynced(keep_rows, row)
+                row[0, 0, 1] = 2.0  # the caller refills its buffer: another step's rows
+                self.assertFalse(core.retried(core.prepare(row, None, None)))
+                core = self.resynced(keep_rows, np.array([[[0.0, 1.0]]], np.float32))
+                self.assertFalse(core.retried(core.prepare(
+                    np.array([[[-0.0, 1.0]]], np.float32), None, None)))
+                row = np.array([[[np.nan, 1.0]]], np.float32)
+                core = self.resynced(keep_rows, row)
+                step = core.prepare(row.copy(), None, None)
+                self.assertTrue(core.retried(step))
+                # Until its answer (core.applied cleared) or another step: a
+                # retry of a failed retry is one too.
+                self.assertTrue(core.retried(step))
+                self.assertFalse(core.retried(core.prepare(np.zeros((1, 1, 2), np.float32),
+                                                           None, None)))
+                self.assertFalse(core.retried(step))
+                request = attention_pb2.AttendRequest.FromString(
+                    core.request(step, read_only=True))
+                self.assertTrue(request.session.read_only)
+                self.assertEqual((list(request.session.positions), request.session.create),
+                                 ([3], False))
+                self.assertFalse(request.HasField("key") or request.HasField("value"))
+                self.assertEqual(request.query.shape, [1, 1, 2])
+
+    def test_a_server_holding_fewer_rows_than_answered_holds_a_stale_copy(self):
+        for keep_rows in (False, True):
+            with self.subTest(keep_rows=keep_rows):
+                core = _session.SessionCore("s", keep_rows, "float32", {})
+                core.advance(core.prepare(np.zeros((1, 3, 2), np.float32), None, None), 0, None)
+                step = core.prepare(np.ones((1, 1, 2), np.float32), None, None)
+                core.failed(step, AttentionError(grpc.StatusCode.ABORTED, "holds 2 rows, not 3"))
+                info = service_pb2.SessionInfo(id="s", position=2, idle_ms=5)
+                if keep_rows:
+                    # The caller closes it, and the step, NOT_FOUND, recreates.
+                    self.assertTrue(core.resync(info))
+                    self.assertEqual((core.position, core.resync_needed), (3, True))
+                    continue
+                with self.assertRaises(AttentionError) as e:
+                    core.resync(info)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+                self.assertEqual(
+                    e.exception.details(),
+                    "session s: the server holds 2 rows, fewer than the 3 answered steps put "
+                    "there: a stale copy (its replica left and came back while the session lived "
+                    "elsewhere); close the session and create it again")
+                self.assertEqual((core.position, core.resync_needed), (3, True))
+
 
 if __name__ == "__main__":
     unittest.main()
