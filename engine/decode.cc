@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "engine/kernels.h"
@@ -1333,13 +1334,28 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
     for (int64_t k = 0; k < n; ++k) Merge(items[k], partials + partial_offset[k], chunks[k]);
     return;
   }
+  // An exception must not leave an OpenMP region (std::terminate): a unit
+  // that cannot get its thread's small buffers is noted, and the pass
+  // throws once the team is done.
+  std::atomic<bool> out_of_memory{false};
 #pragma omp parallel num_threads(team)
   {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < total; ++u) RunUnit(units[u], items, partials);
+    for (int64_t u = 0; u < total; ++u) {
+      try {
+        if (!out_of_memory.load(std::memory_order_relaxed)) RunUnit(units[u], items, partials);
+      } catch (const std::bad_alloc&) {
+        out_of_memory.store(true, std::memory_order_relaxed);
+      }
+    }
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < n; ++k) Merge(items[k], partials + partial_offset[k], chunks[k]);
+    for (int64_t k = 0; k < n; ++k) {
+      if (!out_of_memory.load(std::memory_order_relaxed)) {
+        Merge(items[k], partials + partial_offset[k], chunks[k]);
+      }
+    }
   }
+  if (out_of_memory.load()) throw std::bad_alloc();
 }
 
 void UsePortableDecodeKernelsForTesting(bool portable) {

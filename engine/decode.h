@@ -57,7 +57,9 @@ inline constexpr int64_t kMinTileRows = 4;
 inline constexpr int64_t kMaxDecodeRows = 64;
 
 // Computes every item's output on up to `threads` OpenMP threads. A row
-// that sees no key gets a zero output, as the other paths give.
+// that sees no key gets a zero output, as the other paths give. Throws
+// std::bad_alloc, from the calling thread, when memory for the pass runs
+// out (the outputs are then undefined).
 void RunDecode(absl::Span<const DecodeItem> items, int threads);
 
 // How many units (ranges of a session's blocks, or of its heads) RunDecode

@@ -377,9 +377,18 @@ std::vector<absl::StatusOr<AttentionResult>> Engine::Batch(absl::Span<const Engi
       decode_items.insert(decode_items.end(), items.begin(), items.end());
       decoded.push_back(i);
     }
-    internal::RunDecode(decode_items, backend.threads());
+    // One pass for every call: memory it cannot get fails them all (their
+    // rows are then rolled back, as for any failed session call).
+    const absl::Status decoded_all = OutOfMemoryAsStatus("session decode", [&] {
+      internal::RunDecode(decode_items, backend.threads());
+      return absl::OkStatus();
+    });
     for (size_t i : decoded) {
-      results[i] = internal::TakeResult(*sessions[i]);
+      if (decoded_all.ok()) {
+        results[i] = internal::TakeResult(*sessions[i]);
+      } else {
+        fail_session(i, decoded_all);
+      }
     }
     for (size_t i = 0; i < n; ++i) {
       if (!plans[i]) continue;

@@ -78,10 +78,15 @@ absl::Status PlanRaw(SessionPlan& p) {
   }
   const bool batch_first = p.shape.rank4 || a.layout == Layout::kBatchFirst;
   const int64_t query_batch = a.query.shape[batch_first ? 0 : 1];
-  if (a.key.present() && a.key.shape[batch_first ? 0 : 1] != query_batch) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("key: batch ", a.key.shape[batch_first ? 0 : 1],
-                     " does not match query's ", query_batch, " (one row per session)"));
+  // Each batch row is a session: a key or value of another batch would give
+  // rows to sessions the request does not name (the stateless call takes
+  // them; here they would be lost).
+  for (const auto& [view, name] : {std::pair{&a.key, "key"}, std::pair{&a.value, "value"}}) {
+    if (view->present() && view->shape[batch_first ? 0 : 1] != query_batch) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": batch ", view->shape[batch_first ? 0 : 1],
+                       " does not match query's ", query_batch, " (one row per session)"));
+    }
   }
   p.shape.batch = query_batch;
   p.score = a.score;

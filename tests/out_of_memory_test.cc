@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/kv_cache.h"
 #include "engine/multihead.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -150,6 +151,47 @@ INSTANTIATE_TEST_SUITE_P(Backends, EngineOutOfMemoryTest,
                          [](const ::testing::TestParamInfo<Backend>& info) {
                            return info.param == Backend::kOneDnn ? "OneDnn" : "Reference";
                          });
+
+// A session step whose decode pass cannot get its partial results (64
+// key/value heads, 64 causal query rows each, a cache split among two
+// threads: about 13 MiB of them, against a 2 MiB output): RESOURCE_EXHAUSTED
+// for the call, where std::bad_alloc left the engine and ended the server.
+TEST(SessionOutOfMemoryTest, ADecodePassThatCannotAllocateIsResourceExhausted) {
+  EngineOptions options;
+  options.threads = 2;
+  options.max_request_bytes = 0;
+  options.max_request_flops = 0;
+  options.max_score_elements = 0;
+  options.max_tensor_elements = 0;
+  std::unique_ptr<Engine> engine = std::move(Engine::Create(options)).value();
+  constexpr int64_t kHeads = 64, kDim = 128, kCached = 2048 - 64, kRows = 64;
+  const std::vector<float> cached = Random(kCached * kHeads * kDim, 5);
+  std::unique_ptr<KvCache> cache =
+      std::move(KvCache::Create(kHeads, kDim, kDim, DType::kFloat32)).value();
+  ASSERT_TRUE(cache->Append(kCached, cached.data(), kHeads * kDim, kDim, cached.data(),
+                            kHeads * kDim, kDim)
+                  .ok());
+  cache->Commit();
+  const std::vector<float> rows = Random(kHeads * kRows * kDim, 6);
+  AttentionArgs args;
+  args.query = View(rows, {1, kHeads, kRows, kDim});
+  args.mask.causal = Causal::kBottomRight;
+  SessionCall session{{cache.get()}, false};
+  EngineCall call{&args, nullptr};
+  call.session = &session;
+  absl::StatusOr<AttentionResult> result;
+  {
+    FailLargeAllocations armed(8 * kMiB);
+    result = std::move(engine->AttendBatchFromThisThread({&call, 1}).front());
+  }
+  EXPECT_THAT(result.status(), StatusIs(absl::StatusCode::kResourceExhausted,
+                                        HasSubstr("session decode: out of memory")));
+  cache->Rollback();
+  EXPECT_EQ(cache->length(), kCached);
+  // With the memory, the same step answers.
+  result = std::move(engine->AttendBatchFromThisThread({&call, 1}).front());
+  EXPECT_TRUE(result.ok()) << result.status();
+}
 
 TEST(ServerOutOfMemoryTest, ParsingALargeRequestWithoutMemoryIsResourceExhausted) {
   v1::AttendRequest request;

@@ -1168,7 +1168,15 @@ TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
     const char* message;
   };
   const Input lens{{1}, {1.0f}};
+  // A key or value of two batch rows for one session: the second row's rows
+  // were dropped (values) before.
+  const Input pair = Random({2, 1, 8}, 102);
+  const Input one = Random({1, 1, 8}, 103);
   const std::vector<Case> cases = {
+      {"key batch", [&](AttentionArgs& a) { a.key = pair.view(); },
+       absl::StatusCode::kInvalidArgument, "key: batch 2 does not match query's 1"},
+      {"value batch", [&](AttentionArgs& a) { a.key = one.view(); a.value = pair.view(); },
+       absl::StatusCode::kInvalidArgument, "value: batch 2 does not match query's 1"},
       {"top left", [](AttentionArgs& a) { a.mask.causal = Causal::kTopLeft; },
        absl::StatusCode::kInvalidArgument, "mask.causal: TOP_LEFT"},
       {"padding", [&](AttentionArgs& a) { a.mask.key_padding_mask = x.view(); },
