@@ -69,6 +69,17 @@ class SessionTest : public ::testing::Test {
     return session.ok() ? *std::move(session) : nullptr;
   }
 
+  // A client of `server` (a test's own, for a fresh count of calls).
+  static std::unique_ptr<AttentionClient> ClientOf(const FakeAttentionServer& server,
+                                                   int max_attempts = ClientOptions().max_attempts) {
+    ClientOptions options;
+    options.target = server.address();
+    options.max_attempts = max_attempts;
+    absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
+    EXPECT_THAT(client, IsOk());
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
   // Moves session `id` on the server one row on, behind its Session's back.
   void StepElsewhere(const std::string& id, int64_t position) {
     v1::AttendRequest request;
@@ -423,13 +434,10 @@ TEST_F(SessionTest, AStreamStepIsSentAtMostMaxAttemptsTimes) {
   for (const int max_attempts : {1, 3}) {
     SCOPED_TRACE(max_attempts);
     FakeAttentionServer server;
-    ClientOptions options;
-    options.target = server.address();
-    options.max_attempts = max_attempts;
-    absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
-    ASSERT_THAT(client, IsOk());
+    std::unique_ptr<AttentionClient> client = ClientOf(server, max_attempts);
+    ASSERT_NE(client, nullptr);
     std::unique_ptr<Session> s =
-        Open("decoder-n", /*keep_rows=*/false, /*stream=*/true, client->get());
+        Open("decoder-n", /*keep_rows=*/false, /*stream=*/true, client.get());
     ASSERT_NE(s, nullptr);
     ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
     server.EndStreamAtCall(2, grpc::StatusCode::UNAVAILABLE, /*count=*/max_attempts);
@@ -495,11 +503,9 @@ TEST_F(SessionTest, AStepSentAgainAfterItWasAppliedIsSettledByTheNextStep) {
   for (const bool stream : {false, true}) {
     SCOPED_TRACE(stream);
     FakeAttentionServer server;
-    ClientOptions options;
-    options.target = server.address();
-    absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
-    ASSERT_THAT(client, IsOk());
-    std::unique_ptr<Session> s = Open("resent", /*keep_rows=*/false, stream, client->get());
+    std::unique_ptr<AttentionClient> client = ClientOf(server);
+    ASSERT_NE(client, nullptr);
+    std::unique_ptr<Session> s = Open("resent", /*keep_rows=*/false, stream, client.get());
     ASSERT_NE(s, nullptr);
     ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
     server.LoseAnswerOfCall(2, grpc::StatusCode::UNAVAILABLE);
@@ -520,11 +526,9 @@ TEST_F(SessionTest, RetryingAStepWhoseAnswerWasLostAppendsItOnce) {
   for (const bool keep_rows : {false, true}) {
     SCOPED_TRACE(keep_rows);
     FakeAttentionServer server;
-    ClientOptions options;
-    options.target = server.address();
-    absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
-    ASSERT_THAT(client, IsOk());
-    std::unique_ptr<Session> s = Open("retry", keep_rows, /*stream=*/false, client->get());
+    std::unique_ptr<AttentionClient> client = ClientOf(server);
+    ASSERT_NE(client, nullptr);
+    std::unique_ptr<Session> s = Open("retry", keep_rows, /*stream=*/false, client.get());
     ASSERT_NE(s, nullptr);
     ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
     server.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
