@@ -37,6 +37,12 @@ constexpr int64_t kBlockRows = KvCache::kBlockRows;
 // A thread's share of one item is at least this many cache blocks (256
 // rows): less would spend more on merging partial results than it saves.
 constexpr int64_t kMinChunkBlocks = 4;
+// Each item's softmax is summed over fixed ranges of this many blocks from
+// the cache's start, one partial result each, merged in order: whatever
+// thread or unit computes a range, and whatever else is in the pass, an
+// item's answer is the same to the bit (batched or alone, on any number of
+// threads). Units split sessions on these ranges' bounds.
+constexpr int64_t kSumBlocks = kMinChunkBlocks;
 // Below this many cached bytes read in all, a pass runs on one thread:
 // waking a team costs more than streaming them.
 constexpr double kParallelBytes = 256 * 1024;
@@ -48,10 +54,11 @@ constexpr double kParallelBytes = 256 * 1024;
 // memory order, head after head: one run of up to a block's bytes, where a
 // head at a time would jump from block to block in runs of one head's part
 // (cold, 64 KiB runs read at 0.6x the speed of 512 KiB ones on this
-// machine's memory). Item k's partial results, one per query row r: running
-// max m, sum of exponentials l and the weighted sum of values acc, at
-// partials + partial_offset[k - first_item] + r * (value_dim + 2):
-// [m, l, acc...].
+// machine's memory). Item k's partial results, one per kSumBlocks range of
+// blocks c and query row r: running max m, sum of exponentials l and the
+// weighted sum of values acc, at partials + partial_offset[k - first_item] +
+// (c * rows + r) * (value_dim + 2): [m, l, acc...]. first_block is a
+// multiple of kSumBlocks, and so is end_block unless it is the cache's end.
 struct Unit {
   int64_t first_item = 0, end_item = 0;
   int64_t first_block = 0, end_block = 0;
@@ -1091,15 +1098,23 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
     q_bf16.assign(static_cast<size_t>(count * rows * dk_even), 0);
     q_scaled.resize(static_cast<size_t>(dk));
   }
-  for (int64_t k = 0; k < count; ++k) {
-    const DecodeItem& it = items[u.first_item + k];
+  // Item k's partial results for the kSumBlocks range `range`, empty.
+  const auto start_range = [&](int64_t k, int64_t range) {
     ItemRows& st = states[k];
-    st.partial = partials + u.partial_offset[k];
+    st.partial = partials + u.partial_offset[k] + range * rows * (dv + 2);
     for (int64_t r = 0; r < rows; ++r) {
       float* p = st.partial + r * (dv + 2);
       p[0] = -std::numeric_limits<float>::infinity();
       p[1] = 0.0f;
       std::memset(p + 2, 0, static_cast<size_t>(dv) * sizeof(float));
+      st.acc[r] = p + 2;
+    }
+  };
+  for (int64_t k = 0; k < count; ++k) {
+    const DecodeItem& it = items[u.first_item + k];
+    ItemRows& st = states[k];
+    start_range(k, u.first_block / kSumBlocks);
+    for (int64_t r = 0; r < rows; ++r) {
       st.qf[r] = it.q + (r / it.query_len) * it.q_head_stride + (r % it.query_len) * it.q_pos_stride;
       st.q[r] = st.qf[r];
       if (dot) {
@@ -1108,7 +1123,6 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
         ToBFloat16(q_scaled.data(), qb, dk);
         st.q[r] = qb;
       }
-      st.acc[r] = p + 2;
     }
   }
   // Keys: scores of up to kScoreRows query rows at a time (with tiles, all
@@ -1117,6 +1131,9 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   // head's part comes in (the next block's first head after the last).
   if (tiles) LoadTileConfig(static_cast<int>(rows));
   for (int64_t block = u.first_block; block < u.end_block; ++block) {
+    if (block != u.first_block && block % kSumBlocks == 0) {
+      for (int64_t k = 0; k < count; ++k) start_range(k, block / kSumBlocks);
+    }
     const int64_t first_row = block * kBlockRows;
     const int64_t n = std::min(kBlockRows, first.keys - first_row);
     for (int64_t k = 0; k < count; ++k) {
@@ -1179,7 +1196,8 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   }
 }
 
-// out = sum_u acc_u e^(m_u - M) / sum_u l_u e^(m_u - M) over an item's units.
+// out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M) over an item's
+// kSumBlocks ranges c, in order.
 void Merge(const DecodeItem& it, const float* partials, int64_t units) {
   const int64_t dv = it.cache->value_dim();
   const int64_t rows = it.group * it.query_len;
@@ -1236,10 +1254,13 @@ float* PartialsBuffer(int64_t floats, std::vector<float>& own) {
   return kept.data();
 }
 
-// [0, blocks) in `count` ranges of equal size: their bounds.
+// [0, blocks) in `count` ranges of about equal size, each bound but the last
+// a multiple of kSumBlocks (count <= blocks / kSumBlocks keeps them apart):
+// their bounds.
 std::vector<int64_t> EqualRanges(int64_t blocks, int64_t count) {
   std::vector<int64_t> bounds;
-  for (int64_t c = 0; c <= count; ++c) bounds.push_back(blocks * c / count);
+  for (int64_t c = 0; c < count; ++c) bounds.push_back(blocks * c / count / kSumBlocks * kSumBlocks);
+  bounds.push_back(blocks);
   return bounds;
 }
 
@@ -1251,6 +1272,7 @@ std::vector<int64_t> ShrinkingBlockRanges(int64_t blocks, int threads) {
   const int64_t parts = 2 * static_cast<int64_t>(threads);
   for (int64_t left = blocks; left > 0;) {
     int64_t size = std::max(kMinChunkBlocks, (left + parts - 1) / parts);
+    size = (size + kSumBlocks - 1) / kSumBlocks * kSumBlocks;
     if (left - size < kMinChunkBlocks) size = left;
     bounds.push_back(bounds.back() + size);
     left -= size;
@@ -1285,8 +1307,8 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
   // blocks (a lone session's shrinking as they go), and where a cache is
   // too short for enough of them, its heads split too.
   const int64_t units_wanted = DecodeUnitsPerSession(sessions, threads);
-  // Item k's partials: chunks[k] of them, rows * (value_dim + 2) floats
-  // each, from partial_offset[k].
+  // Item k's partials: one per kSumBlocks range of its cache (chunks[k] of
+  // them), rows * (value_dim + 2) floats each, from partial_offset[k].
   std::vector<int64_t> chunks(items.size()), partial_offset(items.size());
   std::vector<Unit> units;
   int64_t partial_floats = 0;
@@ -1303,11 +1325,12 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
             ? ShrinkingBlockRanges(blocks, threads)
             : EqualRanges(blocks, c_count_wanted);
     const int64_t c_count = static_cast<int64_t>(bounds.size()) - 1;
+    const int64_t ranges = std::max<int64_t>(1, (blocks + kSumBlocks - 1) / kSumBlocks);
     const int64_t stride = it.group * it.query_len * (it.cache->value_dim() + 2);
     for (int64_t k = first; k < end; ++k) {
-      chunks[k] = c_count;
+      chunks[k] = ranges;
       partial_offset[k] = partial_floats;
-      partial_floats += c_count * stride;
+      partial_floats += ranges * stride;
     }
     for (int64_t c = 0; c < c_count; ++c) {
       for (int64_t h = 0; h < h_count; ++h) {
@@ -1317,9 +1340,8 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
         u.first_block = bounds[c];
         u.end_block = bounds[c + 1];
         u.with_tail = c == c_count - 1;
-        // Chunk c of each of its items' partial results.
         for (int64_t k = u.first_item; k < u.end_item; ++k) {
-          u.partial_offset.push_back(partial_offset[k] + c * stride);
+          u.partial_offset.push_back(partial_offset[k]);
         }
         units.push_back(std::move(u));
       }

@@ -76,7 +76,9 @@ int64_t DecodeUnitsPerSession(int64_t sessions, int threads);
 // The ranges a lone session's `blocks` blocks split into on `threads`
 // threads (their bounds, from 0 to blocks): each a (2 x threads)th of the
 // blocks left, at least 4 (a thread's share of a part: less costs more in
-// merging than it saves), the last taking what is left. The threads take
+// merging than it saves), rounded up to a multiple of 4 (the ranges whose
+// softmax is summed apart, so that a result does not depend on the split),
+// the last taking what is left. The threads take
 // them in order as they finish: equal ranges, four per thread, ended with
 // one thread idle for up to a range while the other finished its last, as
 // the two threads of a VM do not run at one speed (one streamed 25% slower

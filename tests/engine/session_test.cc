@@ -664,7 +664,8 @@ TEST(DecodeUnitsTest, EqualSessionsEndLevelOnEveryThread) {
 
 // A lone session's ranges: they cover its blocks in order, none under 4
 // blocks, none larger than the one before but the last (which takes what
-// is left), each a (2 x threads)th of what was left, rounded up.
+// is left), each a (2 x threads)th of what was left, rounded up to a
+// multiple of 4 blocks.
 TEST(DecodeUnitsTest, ALoneSessionsRangesShrinkAsTheyGo) {
   for (int threads = 1; threads <= 4; ++threads) {
     for (int64_t blocks = 1; blocks <= 600; ++blocks) {
@@ -675,17 +676,19 @@ TEST(DecodeUnitsTest, ALoneSessionsRangesShrinkAsTheyGo) {
       EXPECT_EQ(b.back(), blocks);
       for (size_t i = 1; i < b.size(); ++i) {
         const int64_t size = b[i] - b[i - 1], left = blocks - b[i - 1];
+        const int64_t share = (std::max<int64_t>(4, (left + 2 * threads - 1) / (2 * threads)) + 3) / 4 * 4;
         EXPECT_GE(size, std::min<int64_t>(4, blocks));
         if (i + 1 < b.size()) {
-          EXPECT_EQ(size, std::max<int64_t>(4, (left + 2 * threads - 1) / (2 * threads)));
+          EXPECT_EQ(size, share);
+          EXPECT_EQ(b[i] % 4, 0);
         } else {
-          EXPECT_LT(left - std::max<int64_t>(4, (left + 2 * threads - 1) / (2 * threads)), 4);
+          EXPECT_LT(left - share, 4);
         }
       }
     }
   }
   EXPECT_EQ(internal::ShrinkingBlockRanges(128, 2),
-            (std::vector<int64_t>{0, 32, 56, 74, 88, 98, 106, 112, 116, 120, 124, 128}));
+            (std::vector<int64_t>{0, 32, 56, 76, 92, 104, 112, 116, 120, 124, 128}));
 }
 
 // One long session on two threads, split into shrinking block ranges (129
@@ -1151,6 +1154,55 @@ TEST_P(SessionTest, BatchedSessionCallsGetTheirOwnResults) {
   absl::StatusOr<AttentionResult> own = engine_->Attend(args[3]);
   ASSERT_THAT(batched[3].status(), IsOk());
   EXPECT_EQ(Values(batched[3]->output.data), Values(own->output.data));
+}
+
+// A step over a cache long enough to split among threads (600 rows of two
+// key/value heads: 300 KiB) gives the same bits alone on one or two threads
+// and batched with fifteen other sessions' steps: its softmax is summed over
+// fixed ranges of the cache, whatever the split. (Before, the ranges
+// followed the threads and the sessions in the pass.)
+TEST_P(SessionTest, ALongSessionsStepIsTheSameAloneBatchedAndOnAnyThreads) {
+  auto engine = [&](int threads) {
+    EngineOptions options;
+    options.backend = GetParam();
+    options.threads = threads;
+    return std::move(Engine::Create(options)).value();
+  };
+  const std::unique_ptr<Engine> one = engine(1), two = engine(2);
+  constexpr int kSessions = 16;
+  std::vector<std::unique_ptr<KvCache>> caches;
+  std::vector<Input> prefills;
+  for (int i = 0; i < kSessions; ++i) {
+    caches.push_back(NewCache(2, 32, 32));
+    prefills.push_back(Random({1, 600, 64}, 200 + i));
+    AttentionArgs args;
+    args.query = prefills.back().view();
+    args.num_heads = 2;
+    ASSERT_THAT(Step(args, {caches.back().get()}).status(), IsOk());
+  }
+  const Input step = Random({1, 1, 64}, 250);
+  std::vector<AttentionArgs> args(kSessions);
+  std::vector<SessionCall> sessions(kSessions);
+  std::vector<EngineCall> calls(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    args[i].query = step.view();
+    args[i].num_heads = 2;
+    sessions[i].caches = {caches[i].get()};
+    calls[i] = EngineCall{&args[i], nullptr};
+    calls[i].session = &sessions[i];
+  }
+  auto run = [&](Engine& e, size_t count) {
+    std::vector<absl::StatusOr<AttentionResult>> results =
+        e.AttendBatchFromThisThread({calls.data(), count});
+    for (size_t i = 0; i < count; ++i) caches[i]->Rollback();
+    EXPECT_THAT(results[0].status(), IsOk());
+    return results[0].ok() ? Values(results[0]->output.data) : std::vector<float>();
+  };
+  const std::vector<float> alone_one = run(*one, 1);
+  ASSERT_FALSE(alone_one.empty());
+  EXPECT_EQ(run(*two, 1), alone_one);
+  EXPECT_EQ(run(*two, kSessions), alone_one);
+  EXPECT_EQ(run(*one, kSessions), alone_one);
 }
 
 TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
