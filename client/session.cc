@@ -262,7 +262,12 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     Settled();
     return answer;
   }
-  if (again) return answer.status();  // appended nothing: the next step starts afresh
+  // The retry appended nothing, so nothing is unsure; applied_ stays, so
+  // that the same rows sent again are a retry again. (A retry answered
+  // NOT_FOUND, the session lost since, stays so: a recreation would append
+  // the kept rows, which hold this step's, and then the step's once more.
+  // Another step recreates it.)
+  if (again) return answer.status();
   if (SessionNotFound(answer.status(), id()) && created_ && keys_ != nullptr) {
     answer = Recreate(request);
     if (answer.ok()) {
