@@ -258,7 +258,6 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   absl::StatusOr<v1::AttendResponse> answer = Send(request);
   if (answer.ok()) {
     if (!again) Advance(request, position_, *answer);
-    applied_.reset();
     Settled();
     return answer;
   }
@@ -303,6 +302,7 @@ absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& st
 void Session::Settled() {
   unsure_.clear();
   resync_needed_ = false;
+  applied_.reset();
 }
 
 absl::Status Session::Resync() {
@@ -363,8 +363,9 @@ absl::Status Session::Resync() {
   }
   if (applied != nullptr && !ambiguous) {
     Advance(*applied, position_, v1::AttendResponse());
-    applied_ = *applied;
+    v1::AttendRequest found = *applied;  // Settled() clears unsure_
     Settled();
+    applied_ = std::move(found);
     return absl::OkStatus();
   }
   if (keys_ == nullptr) {

@@ -142,7 +142,7 @@ class Session {
   // (Step's contract).
   absl::Status Resync();
   // After an answered step (or a resync that settled them): no step before
-  // it can still be applied.
+  // it can still be applied, nor be retried.
   void Settled();
 
   AttentionClient* client_;

@@ -198,7 +198,6 @@ class Session(_session.SessionBase):
             answer = _wire.decode(self._client._call(
                 self._client._attend, core.request(step, read_only=True), timeout,
                 core.affinity), step[3])
-            core.applied = None
             core.succeeded()
             return answer
         try:

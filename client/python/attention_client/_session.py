@@ -219,9 +219,10 @@ class SessionCore:
 
     def succeeded(self):
         """After an answered step: no step before it can still be applied (its
-        position has passed)."""
+        position has passed), nor be retried."""
         self.unsure = []
         self.resync_needed = False
+        self.applied = None
 
     def failed(self, step, error):
         """After `step` raised `error`: a failure that is not the server's
@@ -275,8 +276,8 @@ class SessionCore:
                    if self._count(step) is not None and self.position + self._count(step) == held]
         if applied and all(self._same_rows(step, applied[0]) for step in applied[1:]):
             self.advance(applied[0], self.position, None)
-            self.applied = applied[0]
             self.succeeded()
+            self.applied = applied[0]
             return False
         if self.keys is None:
             # Nothing kept to match: go on at the server's position.

@@ -284,7 +284,6 @@ class Session(_session.SessionBase):
             await self._resync(timeout)
         if core.retried(step):  # as attention_client.Session.step
             answer = await self._send(core.request(step, read_only=True), step[3], timeout)
-            core.applied = None
             core.succeeded()
             return answer
         try:
