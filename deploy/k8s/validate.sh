@@ -87,6 +87,10 @@ expect_invalid scraped_twice 's/^      labels:$/      annotations: {prometheus.i
   "pod annotation prometheus.io/scrape"
 expect_invalid ring_size_as_word 's/minimumRingSize: 4096/minimumRingSize: many/' \
   "minimumRingSize must be integer" sessions
+expect_invalid ring_size_deprecated '/ringHash:/d; s/^          minimumRingSize/        minimumRingSize/' \
+  "consistentHash.minimumRingSize is deprecated" sessions
+expect_invalid grpcroute_v1alpha2 '/^apiVersion: gateway.networking.k8s.io\/v1$/{N;s/v1\nkind: GRPCRoute/v1alpha2\nkind: GRPCRoute/}' \
+  "is no longer served" sessions
 expect_invalid other_header 's/httpHeaderName: attention-affinity/httpHeaderName: x-session/' \
   "not attention-affinity" sessions
 expect_invalid route_to_nowhere 's/- name: attention-server$/- name: attention-sever/' \

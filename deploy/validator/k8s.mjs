@@ -181,9 +181,20 @@ for (const r of ofKind("DestinationRule")) {
   } else if (serviceNamed(r.spec?.host).spec?.clusterIP === "None") {
     problems.push(`${nameOf(r)}: host ${r.spec?.host} is headless: clients pick pods themselves, the mesh cannot hash`);
   }
-  const header = r.spec?.trafficPolicy?.loadBalancer?.consistentHash?.httpHeaderName;
-  if (header !== AFFINITY_HEADER) {
-    problems.push(`${nameOf(r)}: consistentHash.httpHeaderName is ${header}, not ${AFFINITY_HEADER}`);
+  const hash = r.spec?.trafficPolicy?.loadBalancer?.consistentHash;
+  if (hash?.httpHeaderName !== AFFINITY_HEADER) {
+    problems.push(`${nameOf(r)}: consistentHash.httpHeaderName is ${hash?.httpHeaderName}, not ${AFFINITY_HEADER}`);
+  }
+  if (hash?.minimumRingSize !== undefined) {
+    problems.push(`${nameOf(r)}: consistentHash.minimumRingSize is deprecated in Istio: set consistentHash.ringHash.minimumRingSize`);
+  }
+}
+// Versions the schemas still describe but current API servers no longer
+// serve: Gateway API v1.2 (2024) stopped serving v1alpha2 GRPCRoute and
+// ReferenceGrant, so applying them fails.
+for (const o of objects) {
+  if (o.apiVersion === "gateway.networking.k8s.io/v1alpha2" && ["GRPCRoute", "ReferenceGrant"].includes(o.kind)) {
+    problems.push(`${nameOf(o)}: apiVersion ${o.apiVersion} is no longer served (Gateway API v1.2 and later): use gateway.networking.k8s.io/v1`);
   }
 }
 const gateways = new Set(ofKind("Gateway").map((g) => g.metadata?.name));
