@@ -145,11 +145,27 @@ class Session::RowLog {
     if (!dims_.has_value() || chunks_.empty()) return rows;
     ATTN_RETURN_IF_ERROR(Check(rows, axis));
     ATTN_ASSIGN_OR_RETURN(const std::string bytes, ElementBytes(name_, rows));
-    const size_t chunk = bytes.size() / chunks_.size();
+    return Joined(bytes, rows.shape(axis));
+  }
+
+  // A tensor of every kept row (empty before the first is kept).
+  v1::Tensor All() const { return dims_.has_value() ? Joined("", 0) : v1::Tensor(); }
+
+  int64_t bytes() const {
+    int64_t total = 0;
+    for (const std::string& chunk : chunks_) total += static_cast<int64_t>(chunk.size());
+    return total;
+  }
+
+ private:
+  // The kept rows followed by `count` more, whose bytes (the elements of
+  // a tensor of this log's layout) are `bytes`.
+  v1::Tensor Joined(const std::string& bytes, int64_t count) const {
+    const size_t chunk = chunks_.empty() ? 0 : bytes.size() / chunks_.size();
     v1::Tensor all;
     all.set_dtype(dtype_);
     all.mutable_shape()->Assign(dims_->begin(), dims_->end());
-    all.set_shape(axis_, (*dims_)[axis_] + rows.shape(axis));
+    all.set_shape(axis_, (*dims_)[axis_] + count);
     std::string* data = all.mutable_data();
     data->reserve(static_cast<size_t>(this->bytes()) + bytes.size());
     for (size_t i = 0; i < chunks_.size(); ++i) {
@@ -159,13 +175,6 @@ class Session::RowLog {
     return all;
   }
 
-  int64_t bytes() const {
-    int64_t total = 0;
-    for (const std::string& chunk : chunks_) total += static_cast<int64_t>(chunk.size());
-    return total;
-  }
-
- private:
   // Product of the dims before the sequence axis.
   size_t Outer() const {
     size_t outer = 1;
@@ -261,12 +270,19 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     Settled();
     return answer;
   }
-  // The retry appended nothing, so nothing is unsure; applied_ stays, so
-  // that the same rows sent again are a retry again. (A retry answered
-  // NOT_FOUND, the session lost since, stays so: a recreation would append
-  // the kept rows, which hold this step's, and then the step's once more.
-  // Another step recreates it.)
-  if (again) return answer.status();
+  if (again) {
+    // The session lost since its step was applied: the kept rows, which
+    // hold the step's, make it again, and its query is answered over them.
+    if (SessionNotFound(answer.status(), id()) && keys_ != nullptr) {
+      answer = RecreateApplied(request);
+      if (answer.ok()) Settled();
+    }
+    // Otherwise the retry appended nothing, so nothing is unsure; applied_
+    // stays, so that the same rows sent again are a retry again (after a
+    // recreation whose outcome is unknown too: read-only if it was applied,
+    // else NOT_FOUND and recreated).
+    return answer;
+  }
   if (SessionNotFound(answer.status(), id()) && created_ && keys_ != nullptr) {
     answer = Recreate(request);
     if (answer.ok()) {
@@ -296,6 +312,20 @@ absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& st
   ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, Send(request));
   ++recreations_;
   Advance(step, /*base=*/request.key().shape(key_axis) - Keys(step).shape(key_axis), answer);
+  return answer;
+}
+
+absl::StatusOr<v1::AttendResponse> Session::RecreateApplied(const v1::AttendRequest& retry) {
+  v1::AttendRequest request = retry;
+  v1::SessionSpec* spec = request.mutable_session();
+  spec->set_read_only(false);
+  spec->set_positions(0, 0);
+  spec->set_create(true);
+  spec->set_cache_dtype(options_.cache_dtype);
+  *request.mutable_key() = keys_->All();
+  *request.mutable_value() = values_->All();
+  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, Send(request));
+  ++recreations_;
   return answer;
 }
 

@@ -85,7 +85,9 @@ class Session {
   // applied (position() moves past them, and with keep_rows they are kept),
   // and a step sending the same rows again is taken as its retry: it is
   // sent read-only (appending nothing), and its answer is the one the lost
-  // answer was. If the server holds fewer rows than position() (a stale copy
+  // answer was; with keep_rows, if the session is gone by then (NOT_FOUND
+  // naming it), the retry recreates it from the kept rows, which hold the
+  // step's, and is answered over them. If the server holds fewer rows than position() (a stale copy
   // on a replica the session has moved back to), with keep_rows the copy is
   // closed and the step recreates the session, else FAILED_PRECONDITION;
   // with keep_rows, a count no such step explains (another writer) is
@@ -138,6 +140,9 @@ class Session {
   absl::StatusOr<v1::AttendResponse> Send(const v1::AttendRequest& request);
   // `step` (which the server answered NOT_FOUND) as a create over the kept rows.
   absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step);
+  // The read-only `retry` of the step Resync found applied, answered
+  // NOT_FOUND: a create over the kept rows, the step's among them.
+  absl::StatusOr<v1::AttendResponse> RecreateApplied(const v1::AttendRequest& retry);
   // Where the server has the session, after steps whose outcome is unknown
   // (Step's contract).
   absl::Status Resync();

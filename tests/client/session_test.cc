@@ -564,6 +564,43 @@ TEST_F(SessionTest, ARetryOfAFailedRetryAppendsNothingEither) {
   EXPECT_EQ(server_.session_keys("retry-twice"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
 }
 
+// The session lost between the lost answer and its retry: the retry
+// recreates it from the kept rows, which already hold the step's row, so
+// the row is there once and the answer is still the lost one. Without kept
+// rows the retry stays NOT_FOUND, and appends nothing.
+TEST_F(SessionTest, ARetryOfASessionLostSinceRecreatesItWithTheStepOnce) {
+  for (const bool keep_rows : {false, true}) {
+    SCOPED_TRACE(keep_rows);
+    FakeAttentionServer server;
+    std::unique_ptr<AttentionClient> client = ClientOf(server);
+    ASSERT_NE(client, nullptr);
+    std::unique_ptr<Session> s = Open("retry-lost", keep_rows, /*stream=*/false, client.get());
+    ASSERT_NE(s, nullptr);
+    ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+    server.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_THAT(s->Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+    // GetSession finds the row; the read-only retry (call 3) finds nothing.
+    server.DropSessionsAtCall(3);
+    absl::StatusOr<v1::AttendResponse> again = s->Step(Rows(1, 4, 8));
+    if (!keep_rows) {
+      EXPECT_THAT(again, StatusIs(absl::StatusCode::kNotFound, HasSubstr("session \"retry-lost\"")));
+      EXPECT_EQ(server.open_sessions(), 0);
+      continue;
+    }
+    ASSERT_THAT(again, IsOk());
+    EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
+    EXPECT_THAT(again->session_positions(), ElementsAre(3));
+    EXPECT_EQ(s->position(), 3);
+    EXPECT_EQ(s->recreations(), 1);
+    EXPECT_EQ(server.session_keys("retry-lost"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
+    // The next step is a step again.
+    ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
+    EXPECT_EQ(s->position(), 4);
+    EXPECT_EQ(server.session_keys("retry-lost"),
+              Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
+  }
+}
+
 // A replica that left and came back still has an old copy of a session that
 // lived elsewhere meanwhile, fewer rows than the client's: with kept rows it
 // is closed and the session recreated from them; without, refused.

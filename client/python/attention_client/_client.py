@@ -188,16 +188,28 @@ class Session(_session.SessionBase):
         interrupt, ...) the next step first asks the server where the session
         is (GetSession, _session.SessionCore.resync). If the server had applied
         it, sending the same rows again (the natural retry) appends nothing:
-        it is sent read-only, and answered as the lost answer would have been."""
+        it is sent read-only, and answered as the lost answer would have been
+        (with keep_rows, over a session recreated from the kept rows if the
+        server has lost it since)."""
         core = self._core
         step = core.prepare(query, key, value)
         if core.resync_needed:
             self._resync(timeout)
         if core.retried(step):
             # Appends nothing, so a failure leaves nothing unsure.
-            answer = _wire.decode(self._client._call(
-                self._client._attend, core.request(step, read_only=True), timeout,
-                core.affinity), step[3])
+            try:
+                raw = self._client._call(self._client._attend, core.request(step, read_only=True),
+                                         timeout, core.affinity)
+            except grpc.RpcError as e:
+                if not core.may_recreate(e):
+                    raise
+                # The session lost since its step was applied: made again
+                # from the kept rows, which hold the step's.
+                raw = self._client._call(self._client._attend,
+                                         core.recreation(step, applied=True)[0], timeout,
+                                         core.affinity)
+                core.recreations += 1
+            answer = _wire.decode(raw, step[3])
             core.succeeded()
             return answer
         try:

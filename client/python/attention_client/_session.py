@@ -87,6 +87,11 @@ class _RowLog:
         array = np.concatenate(self.parts + [rows.array], axis=axis)
         return _wire.WireTensor(self.dtype, array.shape, array)
 
+    def kept(self):
+        """Every kept row, as one WireTensor."""
+        array = np.concatenate(self.parts, axis=self.axis)
+        return _wire.WireTensor(self.dtype, array.shape, array)
+
     @property
     def nbytes(self):
         return sum(p.nbytes for p in self.parts)
@@ -190,13 +195,17 @@ class SessionCore:
         the server has no such session, and the kept rows can make it again."""
         return self.created and self.keys is not None and not_found(error, self.id)
 
-    def recreation(self, step):
+    def recreation(self, step, applied=False):
         """The bytes of `step` as a create request over every kept row, and the
-        position it is sent at."""
+        position it is sent at. applied: `step` is the retry of the step
+        resync found applied, whose rows are kept already."""
         q, _, _, kind = step
         keys, values = self._rows(step)
-        all_keys = self.keys.with_rows(keys, self._axis("key", keys))
-        all_values = self.values.with_rows(values, self._axis("value", values))
+        if applied:
+            all_keys, all_values = self.keys.kept(), self.values.kept()
+        else:
+            all_keys = self.keys.with_rows(keys, self._axis("key", keys))
+            all_values = self.values.with_rows(values, self._axis("value", values))
         spec = attention_pb2.SessionSpec(ids=[self.id], positions=[0], create=True,
                                          cache_dtype=self.cache_dtype)
         base = all_keys.shape[self._axis("key", keys)] - keys.shape[self._axis("key", keys)]

@@ -283,7 +283,14 @@ class Session(_session.SessionBase):
         if core.resync_needed:
             await self._resync(timeout)
         if core.retried(step):  # as attention_client.Session.step
-            answer = await self._send(core.request(step, read_only=True), step[3], timeout)
+            try:
+                answer = await self._send(core.request(step, read_only=True), step[3], timeout)
+            except grpc.RpcError as e:
+                if not core.may_recreate(e):
+                    raise
+                answer = await self._send(core.recreation(step, applied=True)[0], step[3],
+                                          timeout)
+                core.recreations += 1
             core.succeeded()
             return answer
         try:

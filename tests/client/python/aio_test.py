@@ -622,6 +622,46 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                             self.rows[session.id],
                             np.concatenate([rows[:, :4], rows[:, 3:5]], axis=1))
 
+    async def test_a_retry_of_a_session_lost_since_recreates_it_with_the_step_once(self):
+        # As C++'s Session::Step: the retry of the step the resync found
+        # applied, answered NOT_FOUND (the session lost meanwhile), recreates
+        # it from the kept rows, which hold the step's; without them it is
+        # NOT_FOUND and appends nothing.
+        with attention_client.Client(self.target, timeout=10) as blocking:
+            for kind in self.KINDS:
+                with self.subTest(kind):
+                    self.unary, self.streams = [], []
+                    session, step = self.open_session(blocking, *kind, "retry-lost")
+
+                    def behave(stream, message, sid=session.id):
+                        if message == 3:  # the read-only retry: the session is gone
+                            self.held.pop(sid, None)
+                        return "applied deadline" if message == 2 else "answer"
+                    self.behave = behave
+                    rows = randn(71, 1, 5, 4)
+                    await step(rows[:, :2])
+                    with self.assertRaises(attention_client.AttentionError) as e:
+                        await step(rows[:, 2:3])
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+                    if not kind[2]:
+                        with self.assertRaises(attention_client.AttentionError) as e:
+                            await step(rows[:, 2:3])
+                        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+                        self.assertNotIn(session.id, self.held)
+                        continue
+                    answer = await step(rows[:, 2:3])  # the caller's retry
+                    np.testing.assert_array_equal(answer.output, rows[:, 2:3])
+                    self.assertEqual((answer.session_positions, session.position), ([3], 3))
+                    self.assertEqual(session.recreations, 1)
+                    retry, recreation = self.sent()[-2:]
+                    self.assertTrue(retry.session.read_only)
+                    self.assertTrue(recreation.session.create)
+                    self.assertFalse(recreation.session.read_only)
+                    np.testing.assert_array_equal(self.rows[session.id], rows[:, :3])
+                    answer = await step(rows[:, 3:4])  # and a next step is one again
+                    self.assertEqual((answer.session_positions, session.position), ([4], 4))
+                    np.testing.assert_array_equal(self.rows[session.id], rows[:, :4])
+
     async def test_a_step_applied_but_unanswered_then_other_rows_are_appended(self):
         with attention_client.Client(self.target, timeout=10) as blocking:
             for kind in self.KINDS:

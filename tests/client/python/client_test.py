@@ -351,6 +351,41 @@ class SessionTest(unittest.TestCase):
                                                self.stateless(rows[:, :, 4:5], rows),
                                                rtol=1e-5, atol=1e-6)
 
+    def test_a_retry_of_a_session_lost_since_its_step_was_applied_recreates_it(self):
+        # The 2nd request's answer is lost after the server applied it; the
+        # session is gone before the retry: the retry, read-only, is
+        # NOT_FOUND, and recreates the session from the kept rows (the
+        # step's among them), answered as the lost answer would have been.
+        rows = randn(21, 1, 2, 5, 8)
+        with attention_client.Client(server.target, timeout=30) as c:
+            real, sent = c._attend, []
+
+            def attend(request, **kw):
+                sent.append(attention_pb2.AttendRequest.FromString(request))
+                if len(sent) == 3:
+                    c.close_sessions([sent[-1].session.ids[0]])
+                answer = real(request, **kw)
+                if len(sent) == 2:
+                    raise AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
+                return answer
+            c._attend = attend
+            with c.session(causal="bottom_right", keep_rows=True) as s:
+                s.step(rows[:, :, :3])
+                with self.assertRaises(AttentionError):
+                    s.step(rows[:, :, 3:4])
+                answer = s.step(rows[:, :, 3:4])
+                self.assertEqual((s.position, s.recreations, c.get_session(s.id).position),
+                                 (4, 1, 4))
+                self.assertTrue(sent[2].session.read_only)
+                self.assertTrue(sent[3].session.create)
+                np.testing.assert_allclose(
+                    answer.output, self.stateless(rows[:, :, 3:4], rows[:, :, :4]),
+                    rtol=1e-5, atol=1e-6)
+                answer = s.step(rows[:, :, 4:5])
+                self.assertEqual(answer.session_positions, [5])
+                np.testing.assert_allclose(answer.output, self.stateless(rows[:, :, 4:5], rows),
+                                           rtol=1e-5, atol=1e-6)
+
     def test_without_kept_rows_a_lost_session_is_not_found(self):
         s = client.session("py-lost", causal="bottom_right")
         s.step(randn(18, 1, 2, 2, 8))
