@@ -72,6 +72,9 @@ ABSL_FLAG(int32_t, max_batch_size, attention::ServerOptions().max_batch_size,
 ABSL_FLAG(int64_t, max_queue_delay_us, attention::ServerOptions().max_queue_delay_us,
           "Longest a request waits for others to join its batch (a model's config.pbtxt may "
           "override)");
+ABSL_FLAG(double, shutdown_delay_seconds, attention::ServerOptions().shutdown_delay_seconds,
+          "On SIGTERM, before the drain: health turns NOT_SERVING (and /readyz 503) while calls "
+          "are still served for this long, so that proxies checking health stop sending first");
 ABSL_FLAG(double, drain_seconds, attention::ServerOptions().drain_seconds,
           "On SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
           "get this long to finish before they are cancelled");
@@ -172,6 +175,7 @@ int main(int argc, char** argv) {
   options.max_queue = absl::GetFlag(FLAGS_max_queue);
   options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.shutdown_delay_seconds = absl::GetFlag(FLAGS_shutdown_delay_seconds);
   options.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   options.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);

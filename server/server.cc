@@ -125,6 +125,7 @@ struct AttentionServer::Impl {
   std::unique_ptr<server::Scheduler> scheduler;
   std::unique_ptr<server::AttentionServiceImpl> service;
   std::unique_ptr<server::ReflectionService> reflection;
+  double shutdown_delay_seconds = 0;
   double drain_seconds = 0;
   std::unique_ptr<grpc::Server> grpc_server;
   int port = 0;
@@ -162,6 +163,11 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   if (options.max_concurrent_streams < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_concurrent_streams: ", options.max_concurrent_streams, " must be >= 0 (0: no limit)"));
+  }
+  if (!(options.shutdown_delay_seconds >= 0 && options.shutdown_delay_seconds <= kMaxSeconds)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shutdown_delay_seconds: ", options.shutdown_delay_seconds,
+                     " must be in [0, ", kMaxSeconds, "] (0: drain at once)"));
   }
   if (!(options.malloc_trim_idle_seconds >= 0 && options.malloc_trim_idle_seconds <= kMaxSeconds)) {
     return absl::InvalidArgumentError(
@@ -204,6 +210,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
         "max_queue ", options.max_queue, " and max_batch_size ", options.max_batch_size,
         " must be >= 1, max_queue_delay_us ", options.max_queue_delay_us, " >= 0"));
   }
+  impl->shutdown_delay_seconds = options.shutdown_delay_seconds;
   impl->drain_seconds = options.drain_seconds;
   server::Metrics* metrics = &impl->metrics;
   metrics->SetLimits(options.max_queue, options.memory_budget_mb << 20,
@@ -295,13 +302,21 @@ void AttentionServer::Shutdown() {
   absl::MutexLock lock(&impl_->mu);
   if (impl_->shut_down) return;
   impl_->shut_down = true;
-  const absl::Time deadline = absl::Now() + absl::Seconds(impl_->drain_seconds);
-  spdlog::info("draining: NOT_SERVING, refusing new calls, {} s for calls in flight",
-               impl_->drain_seconds);
   impl_->grpc_server->GetHealthCheckService()->Shutdown();
   if (impl_->metrics_server) {
     impl_->metrics_server->SetNotReady("draining: the server is shutting down");
   }
+  if (impl_->shutdown_delay_seconds > 0) {
+    // Health checkers (a proxy's, a load balancer's) take the replica out
+    // meanwhile, so the calls that would otherwise be refused below go to
+    // the others instead.
+    spdlog::info("shutting down: NOT_SERVING, still serving calls for {} s before the drain",
+                 impl_->shutdown_delay_seconds);
+    absl::SleepFor(absl::Seconds(impl_->shutdown_delay_seconds));
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(impl_->drain_seconds);
+  spdlog::info("draining: NOT_SERVING, refusing new calls, {} s for calls in flight",
+               impl_->drain_seconds);
   // The connections stay open until the calls taken have answered and their
   // answers have left: gRPC closes a connection as soon as its last call
   // ends after a shutdown began, and the close resets it when the caller's

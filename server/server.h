@@ -48,7 +48,12 @@ struct ServerOptions {
   int metrics_port = -1;
   std::string metrics_host = "127.0.0.1";
 
-  // SIGTERM / Shutdown(): in-flight calls get this long to finish.
+  // SIGTERM / Shutdown(): first, for shutdown_delay_seconds, health is
+  // NOT_SERVING (and /readyz 503) while calls are still served, so that
+  // load balancers and proxies checking health stop sending before any call
+  // is refused; then new calls are refused and in-flight calls get
+  // drain_seconds to finish.
+  double shutdown_delay_seconds = 0;
   double drain_seconds = 30;
 
   // Connections older than this are asked to go away (HTTP/2 GOAWAY; calls in
@@ -115,7 +120,8 @@ class AttentionServer {
   // "127.0.0.1:<port>" form of the bound address, for clients.
   std::string address() const;
 
-  // Stops accepting calls and waits for in-flight ones. Idempotent.
+  // Turns NOT_SERVING, serves on for shutdown_delay_seconds, then stops
+  // accepting calls and waits for in-flight ones. Idempotent.
   void Shutdown();
   // Blocks until Shutdown() has completed.
   void Wait();

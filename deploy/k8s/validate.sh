@@ -80,6 +80,8 @@ expect_invalid port_as_string 's/containerPort: 50051/containerPort: "50051"/' \
   "containerPort must be integer"
 expect_invalid short_grace_period 's/terminationGracePeriodSeconds: .*/terminationGracePeriodSeconds: 20/' \
   "terminationGracePeriodSeconds 20 must exceed"
+expect_invalid delay_past_grace 's/^        - --drain_seconds=20$/&\n        - --shutdown_delay_seconds=10/' \
+  "+ --shutdown_delay_seconds 10 + --drain_seconds 20"
 expect_invalid memory_limit_short 's/memory: 4Gi/memory: 3Gi/' \
   "is below --memory_budget_mb + --session_memory_mb + 1536 MiB = 4096 MiB"
 expect_invalid memory_request_low '/requests:/,/memory:/s/memory: 4Gi/memory: 1Gi/' "memory request 1Gi differs from the limit 4Gi"

@@ -122,7 +122,8 @@ for (const d of deployments) {
       problems.push(`${where}: needs gRPC readiness and liveness probes`);
     }
     const args = (c.args ?? []).map(String);
-    const drain = Number(flag(args, "drain_seconds") ?? 30);  // the server's default
+    const drain = Number(flag(args, "drain_seconds") ?? 30);  // the server's defaults
+    const delay = Number(flag(args, "shutdown_delay_seconds") ?? 0);
     const budgets = Number(flag(args, "memory_budget_mb") ?? 1536) +  // the defaults
       Number(flag(args, "session_memory_mb") ?? 1024);
     const limit = mebibytes(c.resources?.limits?.memory);
@@ -137,8 +138,8 @@ for (const d of deployments) {
     const command = preStop?.exec?.command ?? [];
     const sleep = Number(preStop?.sleep?.seconds ?? (command[0] === "sleep" ? command[1] : 0));
     if (!(sleep > 0)) problems.push(`${where}: no preStop sleep: the pod gets SIGTERM while still in the endpoints`);
-    if (!(grace > sleep + drain)) {
-      problems.push(`${where}: terminationGracePeriodSeconds ${grace} must exceed preStop sleep ${sleep} s + --drain_seconds ${drain}`);
+    if (!(grace > sleep + delay + drain)) {
+      problems.push(`${where}: terminationGracePeriodSeconds ${grace} must exceed preStop sleep ${sleep} s + --shutdown_delay_seconds ${delay} + --drain_seconds ${drain}`);
     }
     const repository = flag(args, "model_repository");
     for (const mount of c.volumeMounts ?? []) {

@@ -420,6 +420,46 @@ TEST(ReadinessTest, ReadyzIsUnavailableDuringWarmUpAndDrain) {
   EXPECT_EQ(HttpGet(port, "/readyz").first, 503);
 }
 
+// --shutdown_delay_seconds: from SIGTERM's start, health is NOT_SERVING and
+// /readyz 503 while calls (session calls too) are still answered; only after
+// the delay are new calls refused.
+TEST(DrainTest, ADelayedShutdownServesCallsUntilItsDrainStarts) {
+  constexpr double kDelaySeconds = 3;
+  ServerOptions options;
+  options.shutdown_delay_seconds = kDelaySeconds;
+  options.drain_seconds = 30;
+  options.metrics_port = 0;
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  auto checker = DrainChecker(**server);
+  ASSERT_THAT(checker, IsOk());
+  v1::AttendRequest step = Small();
+  step.mutable_session()->add_ids("delayed");
+  step.mutable_session()->add_positions(0);
+  step.mutable_session()->set_create(true);
+  ASSERT_THAT((*checker)->Attend(step), IsOk());
+
+  const absl::Time start = absl::Now();
+  std::thread stopper([&] { (*server)->server().Shutdown(); });
+  EXPECT_THAT(WaitForNotServing(**checker), IsOkAndHolds("NOT_SERVING"));
+  EXPECT_EQ(HttpGet((*server)->server().metrics_port(), "/readyz").first, 503);
+  // Still served: a new call, and the next step of a session.
+  EXPECT_THAT((*checker)->Attend(Small()), IsOk());
+  step.mutable_session()->set_positions(0, step.query().shape(1));
+  step.mutable_session()->set_create(false);
+  EXPECT_THAT((*checker)->Attend(step), IsOk());
+  // Then the drain: refused, and no sooner than the delay.
+  absl::Status refused;
+  while (absl::Now() - start < absl::Seconds(20)) {
+    refused = (*checker)->Attend(Small()).status();
+    if (!refused.ok()) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
+  EXPECT_GE(absl::Now() - start, absl::Seconds(kDelaySeconds));
+  stopper.join();
+}
+
 // Scale-in: once a drain starts, a request on an open session is NOT_FOUND
 // naming it (the session ends with this replica: its caller recreates it on
 // another), GetSession too, and a create is UNAVAILABLE (retry elsewhere);
@@ -559,6 +599,7 @@ TEST(ServerOptionsTest, NegativeLimitsAreRefusedNamingTheOption) {
   const std::pair<const char*, std::function<void(ServerOptions&)>> cases[] = {
       {"max_concurrent_streams", [](ServerOptions& o) { o.max_concurrent_streams = -1; }},
       {"malloc_trim_idle_seconds", [](ServerOptions& o) { o.malloc_trim_idle_seconds = -1; }},
+      {"shutdown_delay_seconds", [](ServerOptions& o) { o.shutdown_delay_seconds = -1; }},
       {"memory_budget_mb", [](ServerOptions& o) { o.memory_budget_mb = -1; }},
   };
   for (const auto& [option, set] : cases) {
