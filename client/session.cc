@@ -260,6 +260,9 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   v1::SessionSpec* spec = request.mutable_session();
   spec->add_ids(id());
   spec->add_positions(position_);
+  // The server remembers it for Resync: two 31-bit draws.
+  spec->set_step_id(absl::StrCat(absl::Hex(random_(), absl::kZeroPad8),
+                                   absl::Hex(random_(), absl::kZeroPad8)));
   if (!created_) {
     spec->set_create(true);
     spec->set_cache_dtype(options_.cache_dtype);
@@ -382,9 +385,13 @@ absl::Status Session::Resync() {
   }
   const v1::AttendRequest* applied = nullptr;
   bool ambiguous = false;
+  // The step the server last applied, where it names it: one of ours only
+  // if it has that id (a server that does not report it: by the count).
+  const std::string& last = info->last_step_id();
   for (const v1::AttendRequest& step : unsure_) {
     const absl::StatusOr<int> axis = SequenceAxis(step, "key", Keys(step));
     if (!axis.ok() || position_ + Keys(step).shape(*axis) != held) continue;
+    if (!last.empty() && step.session().step_id() != last) continue;
     if (applied == nullptr) {
       applied = &step;
     } else if (!SameRows(step, *applied)) {
@@ -407,8 +414,8 @@ absl::Status Session::Resync() {
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "session ", id(), ": the server holds ", held, " rows, this client ", position_, " and ",
-      unsure_.size(),
-      " step(s) whose outcome is unknown, none of which makes ", held,
+      unsure_.size(), " step(s) whose outcome is unknown, none of which makes ", held,
+      last.empty() ? "" : absl::StrCat(" as its last step \"", last, "\" did"),
       ": the kept rows no longer match the server's (another writer?); close the session and "
       "open another"));
 }

@@ -81,7 +81,9 @@ class Session {
   // the same: the next step first asks the server where the session is
   // (GetSession, waiting up to the client's timeout while a request still
   // holds it; DEADLINE_EXCEEDED if one still does) and goes on from there.
-  // If the server holds one such step's rows more, that step counts as
+  // If the server holds one such step's rows more, and names it as the last
+  // step that appended (each step carries a random session.step_id; a
+  // server that names none: by the count alone), that step counts as
   // applied (position() moves past them, and with keep_rows they are kept),
   // and a step sending the same rows again is taken as its retry: it is
   // sent read-only (appending nothing), and its answer is the one the lost

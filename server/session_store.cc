@@ -118,9 +118,14 @@ absl::StatusOr<SessionRequest> SessionStore::Parse(const v1::SessionSpec& spec,
           absl::StrCat("session.cache_dtype: ", EnumName(spec.cache_dtype()),
                        " is not a cache dtype (FLOAT32, BFLOAT16)"));
   }
+  if (spec.step_id().size() > kMaxIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("session.step_id: ", spec.step_id().size(),
+                                                   " bytes; at most ", kMaxIdBytes));
+  }
   r.create = spec.create();
   r.close = spec.close();
   r.read_only = spec.read_only();
+  r.step_id = spec.step_id();
   return r;
 }
 
@@ -379,6 +384,7 @@ std::vector<int64_t> SessionStore::Finish(const SessionRequest& request, bool ok
       bytes_ += s.cache->bytes() - before;
       // A failed request leaves the session as it was, its idle time too.
       if (ok) s.last_used = now;
+      if (ok && !request.read_only) s.last_step_id = request.step_id;
       positions.push_back(s.cache->length());
       if (!ok && s.created_by_holder) {
         RemoveLocked(id, "failed");
@@ -454,6 +460,7 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Info(const std::string& id) {
   // At least 1 when no request holds it, so that 0 means only that one does.
   info.set_idle_ms(busy ? 0
                         : std::max<int64_t>(1, absl::ToInt64Milliseconds(now_() - s.last_used)));
+  info.set_last_step_id(s.last_step_id);
   return info;
 }
 

@@ -49,6 +49,7 @@ struct SessionRequest {
   bool close = false;
   bool read_only = false;
   DType cache_dtype = DType::kFloat32;
+  std::string step_id;
   // Rows this request appends to each session.
   int64_t new_rows = 0;
   // Bytes the caches grow by (Begin), and those Reserve reserved for it,
@@ -90,7 +91,8 @@ class SessionStore {
   // Checks a request's session fields against its batch size: ids and
   // positions (one per batch row), ids non-empty, at most kMaxIdBytes, no two
   // equal, positions >= 0 (0 on create), cache_dtype FLOAT32 or BFLOAT16,
-  // read_only not with create; FAILED_PRECONDITION when sessions are off.
+  // read_only not with create, step_id at most kMaxIdBytes;
+  // FAILED_PRECONDITION when sessions are off.
   absl::StatusOr<SessionRequest> Parse(const v1::SessionSpec& spec, int64_t batch) const;
 
   // Runs `start` once no other request holds any of `ids`: now, on this
@@ -145,6 +147,7 @@ class SessionStore {
     SessionKind kind;
     absl::Time last_used;
     bool created_by_holder = false;  // removed again if that request fails
+    std::string last_step_id;        // of the last request that appended
   };
   struct Waiter {
     std::vector<std::string> ids;

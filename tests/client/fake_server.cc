@@ -142,6 +142,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     info->set_value_dim(session.value_dim);
     info->set_cache_dtype(session.cache_dtype);
     info->set_idle_ms(1);  // no request holds it: each applies at once
+    if (state_->report_step_ids) info->set_last_step_id(session.last_step_id);
     const int64_t element_bytes = session.cache_dtype == v1::Tensor::BFLOAT16 ? 2 : 4;
     info->set_bytes(session.position * session.kv_heads * (session.head_dim + session.value_dim) *
                     element_bytes);
@@ -329,6 +330,7 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
       FakeSession& session = sessions[id];
       session.position += rows;
       session.keys.insert(session.keys.end(), key_values.begin(), key_values.end());
+      if (!spec.read_only()) session.last_step_id = spec.step_id();
       response->add_session_positions(session.position);
     }
     if (spec.close()) {
@@ -414,6 +416,11 @@ std::string FakeAttentionServer::last_health_service() const {
 int64_t FakeAttentionServer::attend_calls() const {
   absl::MutexLock lock(&state_.mu);
   return state_.attend_calls;
+}
+
+void FakeAttentionServer::set_report_step_ids(bool report) {
+  absl::MutexLock lock(&state_.mu);
+  state_.report_step_ids = report;
 }
 
 void FakeAttentionServer::set_replica(std::string name) {

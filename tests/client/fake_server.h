@@ -36,7 +36,9 @@ namespace attention::testing {
 // sequence dim, keeps a batch-1 request's key elements, and the answer carries
 // session_positions; close closes them after answering. CloseSessions and
 // GetSession answer from the same model (GetSession's bytes: position x
-// kv_heads x (head_dim + value_dim) x the cache dtype's size; idle_ms 1).
+// kv_heads x (head_dim + value_dim) x the cache dtype's size; idle_ms 1;
+// last_step_id the step_id of the last request that appended, unless
+// set_report_step_ids(false), as a server from before it).
 // AttendStream answers each message as Attend would, with its id and status
 // (a "fail" message gets status code 3; the id "hang" is not special there,
 // HangCall is: the stream hangs).
@@ -64,6 +66,8 @@ class FakeAttentionServer {
   // Attend calls and AttendStreams send "attention-replica: NAME" from now on
   // (none while it is empty, as at the start).
   void set_replica(std::string name);
+  // Whether GetSession reports last_step_id (it does at the start).
+  void set_report_step_ids(bool report);
   // The "authorization" metadata of the latest call, "" when it had none.
   std::string last_authorization() const;
   // The "attention-affinity" metadata of the latest call, "" when it had none.
@@ -123,6 +127,7 @@ class FakeAttentionServer {
     v1::Tensor::DType cache_dtype = v1::Tensor::FLOAT32;
     int64_t position = 0;
     std::vector<float> keys;
+    std::string last_step_id;
   };
   struct State {
     mutable absl::Mutex mu;
@@ -133,6 +138,7 @@ class FakeAttentionServer {
     std::vector<std::string> close_affinities ABSL_GUARDED_BY(mu);
     std::string health_service ABSL_GUARDED_BY(mu);
     std::string replica ABSL_GUARDED_BY(mu);
+    bool report_step_ids ABSL_GUARDED_BY(mu) = true;
     int64_t attend_calls ABSL_GUARDED_BY(mu) = 0;
     int64_t attend_streams ABSL_GUARDED_BY(mu) = 0;
     std::set<std::string> peers ABSL_GUARDED_BY(mu);

@@ -81,11 +81,14 @@ class SessionTest : public ::testing::Test {
   }
 
   // Moves session `id` on the server one row on, behind its Session's back.
-  void StepElsewhere(const std::string& id, int64_t position) {
+  // Another writer's step of `rows` rows (step_id `step_id`).
+  void StepElsewhere(const std::string& id, int64_t position, int64_t rows = 1,
+                     const std::string& step_id = "") {
     v1::AttendRequest request;
-    *request.mutable_query() = Rows(1, 4, 0);
+    *request.mutable_query() = Rows(rows, 4, 0);
     request.mutable_session()->add_ids(id);
     request.mutable_session()->add_positions(position);
+    request.mutable_session()->set_step_id(step_id);
     ASSERT_THAT(client_->Attend(request), IsOk());
   }
 
@@ -664,6 +667,48 @@ TEST_F(SessionTest, KeptRowsRefuseAPositionNoUnsureStepExplains) {
                        HasSubstr("the server holds 4 rows, this client 2 and 1 step(s) whose "
                                  "outcome is unknown, none of which makes 4")));
   EXPECT_EQ(s->position(), 2);
+}
+
+// Another writer that appended exactly as many rows as the step whose
+// outcome is unknown (which the server never applied): by the count it
+// would be taken for that step; the server's last step_id says it is not.
+// With kept rows refused; without, the session goes on at the server's
+// position. A server that does not report step ids leaves only the count.
+TEST_F(SessionTest, AnotherWritersStepOfTheSameCountIsNotTakenForTheLostOne) {
+  for (const bool keep_rows : {true, false}) {
+    SCOPED_TRACE(keep_rows);
+    const std::string id = keep_rows ? "same-count-kept" : "same-count";
+    std::unique_ptr<Session> s = Open(id, keep_rows);
+    ASSERT_NE(s, nullptr);
+    ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+    server_.FailCall(server_.attend_calls() + 1, grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_THAT(s->Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+    StepElsewhere(id, 2, 1, "other-writer");
+    absl::StatusOr<v1::AttendResponse> next = s->Step(Rows(1, 4, 8));
+    if (keep_rows) {
+      EXPECT_THAT(next, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                 HasSubstr("none of which makes 3 as its last step "
+                                           "\"other-writer\" did")));
+      EXPECT_EQ(s->position(), 2);
+      continue;
+    }
+    // Taken as a new step at the server's position 3, not as a retry.
+    ASSERT_THAT(next, IsOk());
+    EXPECT_THAT(next->session_positions(), ElementsAre(4));
+    EXPECT_EQ(s->position(), 4);
+  }
+  // The same without step ids: the count alone takes the other writer's
+  // row for the lost step, and the retry appends nothing.
+  server_.set_report_step_ids(false);
+  std::unique_ptr<Session> s = Open("same-count-old", /*keep_rows=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+  server_.FailCall(server_.attend_calls() + 1, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s->Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  StepElsewhere("same-count-old", 2, 1, "other-writer");
+  ASSERT_THAT(s->Step(Rows(1, 4, 8)), IsOk());
+  EXPECT_EQ(s->position(), 3);
+  EXPECT_EQ(server_.session_keys("same-count-old"), Concat({Rows(2, 4, 0), Rows(1, 4, 0)}));
 }
 
 // A first step whose answer was lost may have created the session: Close

@@ -375,6 +375,42 @@ TEST_F(SessionServiceTest, ReadOnlyStepsTakeTheSessionsKeyDim) {
 
 // Several threads step one session, each retrying on ABORTED with the
 // position the session reached: every step is applied once, one at a time.
+// session.step_id travels to GetSession's last_step_id, over Attend and
+// over a stream; a read-only request leaves it, and an over-long one is
+// INVALID_ARGUMENT naming the field.
+TEST_F(SessionServiceTest, GetSessionNamesTheLastStepThatAppended) {
+  const std::vector<float> rows = RandomValues(2 * 16, 90);
+  v1::AttendRequest create = Step("stepped", 0, rows, /*create=*/true);
+  create.mutable_session()->set_step_id("first");
+  ASSERT_THAT(client().Attend(create), IsOk());
+  EXPECT_EQ(Info("stepped")->last_step_id(), "first");
+
+  v1::AttendRequest read = Step("stepped", 2, rows);
+  read.clear_key();
+  read.mutable_session()->set_read_only(true);
+  read.mutable_session()->set_step_id("reading");
+  ASSERT_THAT(client().Attend(read), IsOk());
+  EXPECT_EQ(Info("stepped")->last_step_id(), "first");
+
+  v1::AttendRequest step = Step("stepped", 2, rows);
+  step.mutable_session()->set_step_id(std::string(129, 's'));
+  EXPECT_THAT(client().Attend(step), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("session.step_id: 129 bytes")));
+  step.mutable_session()->set_step_id("second");
+  grpc::ClientContext context;
+  auto stream = Stub()->AttendStream(&context);
+  v1::AttendResponse answer;
+  ASSERT_TRUE(stream->Write(step) && stream->Read(&answer));
+  EXPECT_EQ(answer.status().code(), 0) << answer.status().message();
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  absl::StatusOr<v1::SessionInfo> info = Info("stepped");
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->position(), 4);
+  EXPECT_EQ(info->last_step_id(), "second");
+  Close({"stepped"});
+}
+
 TEST_F(SessionServiceTest, ConcurrentStepsOnOneSessionApplyOneAtATime) {
   ASSERT_THAT(client().Attend(Step("shared", 0, RandomValues(4 * 16, 50), true)), IsOk());
   constexpr int kThreads = 4, kSteps = 8;

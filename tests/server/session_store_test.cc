@@ -45,6 +45,46 @@ void Append(const std::vector<KvCache*>& caches, int64_t rows) {
   for (KvCache* c : caches) ASSERT_THAT(c->Append(rows, zeros.data(), 4, 4, zeros.data(), 4, 4), IsOk());
 }
 
+// GetSession reports the step_id of the last request that appended: not a
+// failed one's, nor a read-only one's; "" after one that gave none.
+TEST(SessionStoreTest, TheLastAppendingStepIdIsReported) {
+  SessionStore store({int64_t{1} << 20, absl::InfiniteDuration()}, nullptr);
+  auto run = [&](SessionRequest r, bool ok) {
+    absl::StatusOr<std::vector<KvCache*>> begun = store.Begin(r, Kind());
+    ASSERT_THAT(begun, IsOk());
+    Append(*begun, r.new_rows);
+    store.Finish(r, ok);
+  };
+  auto last = [&] {
+    absl::StatusOr<v1::SessionInfo> info = store.Info("s");
+    return info.ok() ? info->last_step_id() : info.status().ToString();
+  };
+  SessionRequest create = Request("s", 0, true, 2);
+  create.step_id = "one";
+  run(create, true);
+  EXPECT_EQ(last(), "one");
+  SessionRequest step = Request("s", 2, false, 1);
+  step.step_id = "two";
+  run(step, false);
+  EXPECT_EQ(last(), "one");
+  SessionRequest read = Request("s", 2, false, 0);
+  read.read_only = true;
+  read.step_id = "read";
+  run(read, true);
+  EXPECT_EQ(last(), "one");
+  run(step, true);
+  EXPECT_EQ(last(), "two");
+  run(Request("s", 3, false, 1), true);
+  EXPECT_EQ(last(), "");
+
+  v1::SessionSpec spec;
+  spec.add_ids("s");
+  spec.add_positions(4);
+  spec.set_step_id(std::string(SessionStore::kMaxIdBytes + 1, 'x'));
+  EXPECT_THAT(store.Parse(spec, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("session.step_id: 129 bytes")));
+}
+
 TEST(SessionStoreTest, WaitersStartInArrivalOrderWithoutNesting) {
   SessionStore store({int64_t{1} << 20, absl::InfiniteDuration()}, nullptr);
   std::vector<int> order;

@@ -146,14 +146,15 @@ class SessionCore:
         raise invalid(f"{name}: shape {list(rows.shape)} is not rank 3 or 4, as a session's rows are")
 
     def prepare(self, query, key, value):
-        """A step: (query, key, value as WireTensors or None, kind of the answer)."""
+        """A step: (query, key, value as WireTensors or None, kind of the answer,
+        its step_id: the server remembers it for resync)."""
         if self.closed:
             raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, f"session {self.id} is closed")
         kind = _wire.kind_of(query)
         q = _wire.to_wire("query", query)
         k = None if key is None else _wire.to_wire("key", key)
         v = None if value is None else _wire.to_wire("value", value)
-        step = (q, k, v, kind)
+        step = (q, k, v, kind, uuid.uuid4().hex[:16])
         if self.keys is not None:
             keys, values = self._rows(step)
             self.keys.check(keys, self._axis("key", keys))
@@ -162,15 +163,16 @@ class SessionCore:
 
     @staticmethod
     def _rows(step):
-        q, k, v, _ = step
+        q, k, v = step[:3]
         keys = k if k is not None else q
         return keys, v if v is not None else keys
 
     def request(self, step, read_only=False):
         """The bytes of `step` at the session's position; read_only: its
         query alone, appending nothing."""
-        q, k, v, kind = step
-        spec = attention_pb2.SessionSpec(ids=[self.id], positions=[self.position])
+        q, k, v = step[:3]
+        spec = attention_pb2.SessionSpec(ids=[self.id], positions=[self.position],
+                                         step_id=step[4])
         if read_only:
             spec.read_only = True
             k = v = None
@@ -199,7 +201,7 @@ class SessionCore:
         """The bytes of `step` as a create request over every kept row, and the
         position it is sent at. applied: `step` is the retry of the step
         resync found applied, whose rows are kept already."""
-        q, _, _, kind = step
+        q = step[0]
         keys, values = self._rows(step)
         if applied:
             all_keys, all_values = self.keys.kept(), self.values.kept()
@@ -207,7 +209,7 @@ class SessionCore:
             all_keys = self.keys.with_rows(keys, self._axis("key", keys))
             all_values = self.values.with_rows(values, self._axis("value", values))
         spec = attention_pb2.SessionSpec(ids=[self.id], positions=[0], create=True,
-                                         cache_dtype=self.cache_dtype)
+                                         cache_dtype=self.cache_dtype, step_id=step[4])
         base = all_keys.shape[self._axis("key", keys)] - keys.shape[self._axis("key", keys)]
         return _request.build(q, all_keys, all_values, self.fields, spec)[0], base
 
@@ -241,10 +243,9 @@ class SessionCore:
         if code is None or code in _UNSURE_CODES:
             # A copy: the caller may refill its arrays before the step is
             # matched against the server's count or a retry.
-            q, k, v, kind = step
             self.unsure.append(tuple(
                 t if t is None else _wire.WireTensor(t.dtype, t.shape, t.array.copy())
-                for t in (q, k, v)) + (kind,))
+                for t in step[:3]) + step[3:])
             self.resync_needed = True
 
     def resync(self, info):
@@ -281,8 +282,13 @@ class SessionCore:
                     "and came back while the session lived elsewhere); close the session and "
                     "create it again")
             return True
+        # The step the server last applied, where it names it: one of ours
+        # only if it has that id (a server that does not report it: by the
+        # count alone).
+        last = info.last_step_id
         applied = [step for step in self.unsure
-                   if self._count(step) is not None and self.position + self._count(step) == held]
+                   if self._count(step) is not None and self.position + self._count(step) == held
+                   and (not last or step[4] == last)]
         if applied and all(self._same_rows(step, applied[0]) for step in applied[1:]):
             self.advance(applied[0], self.position, None)
             self.succeeded()
@@ -298,7 +304,8 @@ class SessionCore:
             grpc.StatusCode.FAILED_PRECONDITION,
             f"session {self.id}: the server holds {held} rows, the client {self.position} "
             f"and {len(self.unsure)} step(s) whose outcome is unknown, none of which makes "
-            f"{held}: the kept rows no longer match the server's (another writer?); close "
+            f"{held}" + (f' as its last step "{last}" did' if last else "") +
+            ": the kept rows no longer match the server's (another writer?); close "
             "the session and open another")
 
     def _count(self, step):

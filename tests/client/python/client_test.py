@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import attention_client
-from attention_client import AttentionError, _heap
+from attention_client import AttentionError, _heap, _request
 from attention_client._proto.attention.v1 import attention_pb2
 from reference import attention
 from server_fixture import Server
@@ -385,6 +385,34 @@ class SessionTest(unittest.TestCase):
                 self.assertEqual(answer.session_positions, [5])
                 np.testing.assert_allclose(answer.output, self.stateless(rows[:, :, 4:5], rows),
                                            rtol=1e-5, atol=1e-6)
+
+    def test_another_writers_step_of_the_same_count_is_not_taken_for_a_lost_one(self):
+        # The 2nd request never reaches the server (its outcome unknown to
+        # the client); another writer appends one row meanwhile. By the count
+        # it would pass for the lost step; the server's last_step_id says not.
+        rows = randn(22, 1, 2, 5, 8)
+        with attention_client.Client(server.target, timeout=30) as c:
+            real, sent = c._attend, []
+
+            def attend(request, **kw):
+                sent.append(attention_pb2.AttendRequest.FromString(request))
+                if len(sent) == 2:
+                    raise AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "never sent")
+                return real(request, **kw)
+            c._attend = attend
+            s = c.session(causal="bottom_right", keep_rows=True)
+            s.step(rows[:, :, :3])
+            with self.assertRaises(AttentionError):
+                s.step(rows[:, :, 3:4])
+            other = attention_pb2.SessionSpec(ids=[s.id], positions=[3], step_id="other-writer")
+            real(_request.build(rows[:, :, 4:5], None, None, {"causal": "bottom_right"},
+                                other)[0])
+            self.assertEqual(c.get_session(s.id).last_step_id, "other-writer")
+            with self.assertRaises(AttentionError) as e:
+                s.step(rows[:, :, 3:4])
+            self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn('as its last step "other-writer" did', e.exception.details())
+            c.close_sessions([s.id])
 
     def test_without_kept_rows_a_lost_session_is_not_found(self):
         s = client.session("py-lost", causal="bottom_right")

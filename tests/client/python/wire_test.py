@@ -181,6 +181,39 @@ class SessionResyncTest(unittest.TestCase):
         self.assertEqual((core.position, core.resync_needed), (3, False))
         return core
 
+    def test_resync_takes_the_servers_last_step_id_over_the_count(self):
+        # As C++'s Session::Resync: where the server names the last step that
+        # appended, an unsure step of the right count is applied only if it
+        # is that step; another writer's step of the same count is not.
+        for keep_rows in (False, True):
+            with self.subTest(keep_rows=keep_rows):
+                core = _session.SessionCore("s", keep_rows, "float32", {})
+                core.advance(core.prepare(np.zeros((1, 2, 2), np.float32), None, None), 0, None)
+                step = core.prepare(np.ones((1, 1, 2), np.float32), None, None)
+                request = attention_pb2.AttendRequest.FromString(core.request(step))
+                self.assertEqual(request.session.step_id, step[4])
+                self.assertEqual(len(step[4]), 16)
+                core.failed(step, AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "lost"))
+                other = service_pb2.SessionInfo(id="s", position=3, idle_ms=5,
+                                                last_step_id="other-writer")
+                if keep_rows:
+                    with self.assertRaises(AttentionError) as e:
+                        core.resync(other)
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+                    self.assertIn('none of which makes 3 as its last step "other-writer" did',
+                                  e.exception.details())
+                else:
+                    self.assertFalse(core.resync(other))  # goes on at the server's position
+                    self.assertEqual((core.position, core.applied), (3, None))
+                core = _session.SessionCore("s", keep_rows, "float32", {})
+                core.advance(core.prepare(np.zeros((1, 2, 2), np.float32), None, None), 0, None)
+                step = core.prepare(np.ones((1, 1, 2), np.float32), None, None)
+                core.failed(step, AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "lost"))
+                self.assertFalse(core.resync(service_pb2.SessionInfo(
+                    id="s", position=3, idle_ms=5, last_step_id=step[4])))
+                self.assertEqual(core.position, 3)
+                self.assertEqual(core.applied[4], step[4])
+
     def test_a_retry_is_the_applied_steps_rows_byte_for_byte(self):
         # As C++'s SameRows: dtype, shape and bytes (a NaN is its own retry;
         # -0.0 is not 0.0's), and the caller's array as it was when sent.
