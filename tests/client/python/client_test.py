@@ -318,6 +318,27 @@ class SessionTest(unittest.TestCase):
         self.assertEqual(client.get_session(s.id).position, 5)
         s.close()
 
+    @staticmethod
+    def interpose(c, around):
+        """From now on, every Attend call of client `c` is recorded in the list
+        returned (its request) and made by around(n, send), n counting from
+        1: send() makes the call."""
+        real, sent = c._attend, []
+
+        def attend(request, **kw):
+            sent.append(attention_pb2.AttendRequest.FromString(request))
+            return around(len(sent), lambda: real(request, **kw))
+        c._attend = attend
+        return sent
+
+    @staticmethod
+    def lose_answer(n, send):
+        """An `around` for interpose: the 2nd call is made, its answer lost."""
+        answer = send()
+        if n == 2:
+            raise AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
+        return answer
+
     def test_a_step_whose_answer_was_lost_sent_again_gets_that_answer(self):
         # The server applies the 2nd request but its answer is lost (as past
         # a deadline): the step sent again appends nothing, and its read-only
@@ -326,15 +347,7 @@ class SessionTest(unittest.TestCase):
         for keep_rows in (False, True):
             with self.subTest(keep_rows=keep_rows), attention_client.Client(
                     server.target, timeout=30) as c:
-                real, sent = c._attend, []
-
-                def attend(request, **kw):
-                    answer = real(request, **kw)
-                    sent.append(attention_pb2.AttendRequest.FromString(request))
-                    if len(sent) == 2:
-                        raise AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
-                    return answer
-                c._attend = attend
+                sent = self.interpose(c, self.lose_answer)
                 with c.session(causal="bottom_right", keep_rows=keep_rows) as s:
                     s.step(rows[:, :, :3])
                     with self.assertRaises(AttentionError):
@@ -358,17 +371,11 @@ class SessionTest(unittest.TestCase):
         # step's among them), answered as the lost answer would have been.
         rows = randn(21, 1, 2, 5, 8)
         with attention_client.Client(server.target, timeout=30) as c:
-            real, sent = c._attend, []
-
-            def attend(request, **kw):
-                sent.append(attention_pb2.AttendRequest.FromString(request))
-                if len(sent) == 3:
+            def around(n, send):
+                if n == 3:
                     c.close_sessions([sent[-1].session.ids[0]])
-                answer = real(request, **kw)
-                if len(sent) == 2:
-                    raise AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
-                return answer
-            c._attend = attend
+                return self.lose_answer(n, send)
+            sent = self.interpose(c, around)
             with c.session(causal="bottom_right", keep_rows=True) as s:
                 s.step(rows[:, :, :3])
                 with self.assertRaises(AttentionError):
@@ -392,21 +399,18 @@ class SessionTest(unittest.TestCase):
         # it would pass for the lost step; the server's last_step_id says not.
         rows = randn(22, 1, 2, 5, 8)
         with attention_client.Client(server.target, timeout=30) as c:
-            real, sent = c._attend, []
-
-            def attend(request, **kw):
-                sent.append(attention_pb2.AttendRequest.FromString(request))
-                if len(sent) == 2:
+            def around(n, send):
+                if n == 2:
                     raise AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "never sent")
-                return real(request, **kw)
-            c._attend = attend
+                return send()
+            self.interpose(c, around)
             s = c.session(causal="bottom_right", keep_rows=True)
             s.step(rows[:, :, :3])
             with self.assertRaises(AttentionError):
                 s.step(rows[:, :, 3:4])
             other = attention_pb2.SessionSpec(ids=[s.id], positions=[3], step_id="other-writer")
-            real(_request.build(rows[:, :, 4:5], None, None, {"causal": "bottom_right"},
-                                other)[0])
+            c._attend(_request.build(rows[:, :, 4:5], None, None, {"causal": "bottom_right"},
+                                     other)[0])
             self.assertEqual(c.get_session(s.id).last_step_id, "other-writer")
             with self.assertRaises(AttentionError) as e:
                 s.step(rows[:, :, 3:4])
