@@ -217,7 +217,11 @@ Session::Session(AttentionClient* client, SessionOptions options)
       options_(std::move(options)),
       random_(static_cast<std::minstd_rand::result_type>(
           std::hash<std::string>()(options_.id) ^
-          static_cast<size_t>(absl::ToUnixNanos(absl::Now())))) {
+          static_cast<size_t>(absl::ToUnixNanos(absl::Now())))),
+      step_ids_([] {
+        std::random_device device;
+        return (uint64_t{device()} << 32) ^ device();
+      }()) {
   if (options_.keep_rows) {
     keys_ = std::make_unique<RowLog>("key");
     values_ = std::make_unique<RowLog>("value");
@@ -260,9 +264,8 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   v1::SessionSpec* spec = request.mutable_session();
   spec->add_ids(id());
   spec->add_positions(position_);
-  // The server remembers it for Resync: two 31-bit draws.
-  spec->set_step_id(absl::StrCat(absl::Hex(random_(), absl::kZeroPad8),
-                                   absl::Hex(random_(), absl::kZeroPad8)));
+  // The server remembers it for Resync.
+  spec->set_step_id(absl::StrCat(absl::Hex(step_ids_(), absl::kZeroPad16)));
   if (!created_) {
     spec->set_create(true);
     spec->set_cache_dtype(options_.cache_dtype);
@@ -386,12 +389,14 @@ absl::Status Session::Resync() {
   const v1::AttendRequest* applied = nullptr;
   bool ambiguous = false;
   // The step the server last applied, where it names it: one of ours only
-  // if it has that id (a server that does not report it: by the count).
+  // if it has that id (another writer's may have none); a server from
+  // before step ids: by the count alone.
+  const bool named = info->has_last_step_id();
   const std::string& last = info->last_step_id();
   for (const v1::AttendRequest& step : unsure_) {
     const absl::StatusOr<int> axis = SequenceAxis(step, "key", Keys(step));
     if (!axis.ok() || position_ + Keys(step).shape(*axis) != held) continue;
-    if (!last.empty() && step.session().step_id() != last) continue;
+    if (named && step.session().step_id() != last) continue;
     if (applied == nullptr) {
       applied = &step;
     } else if (!SameRows(step, *applied)) {
@@ -415,7 +420,7 @@ absl::Status Session::Resync() {
   return absl::FailedPreconditionError(absl::StrCat(
       "session ", id(), ": the server holds ", held, " rows, this client ", position_, " and ",
       unsure_.size(), " step(s) whose outcome is unknown, none of which makes ", held,
-      last.empty() ? "" : absl::StrCat(" as its last step \"", last, "\" did"),
+      named ? absl::StrCat(" as its last step (step_id \"", last, "\") did") : "",
       ": the kept rows no longer match the server's (another writer?); close the session and "
       "open another"));
 }

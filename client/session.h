@@ -173,6 +173,8 @@ class Session {
   std::unique_ptr<AttendStream> stream_;
   // Draws the waits between a stream step's attempts.
   std::minstd_rand random_;
+  // Draws each step's session.step_id (64 bits, seeded by the system).
+  std::mt19937_64 step_ids_;
 };
 
 }  // namespace attention::client

@@ -142,7 +142,8 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     info->set_value_dim(session.value_dim);
     info->set_cache_dtype(session.cache_dtype);
     info->set_idle_ms(1);  // no request holds it: each applies at once
-    if (state_->report_step_ids) info->set_last_step_id(session.last_step_id);
+    if (state_->report_step_ids) info->set_last_step_id(session.last_step_id);  // even ""
+
     const int64_t element_bytes = session.cache_dtype == v1::Tensor::BFLOAT16 ? 2 : 4;
     info->set_bytes(session.position * session.kv_heads * (session.head_dim + session.value_dim) *
                     element_bytes);

@@ -671,31 +671,35 @@ TEST_F(SessionTest, KeptRowsRefuseAPositionNoUnsureStepExplains) {
 
 // Another writer that appended exactly as many rows as the step whose
 // outcome is unknown (which the server never applied): by the count it
-// would be taken for that step; the server's last step_id says it is not.
-// With kept rows refused; without, the session goes on at the server's
-// position. A server that does not report step ids leaves only the count.
+// would be taken for that step; the server's last step_id says it is not,
+// whether the other writer named its step or not. With kept rows refused;
+// without, the session goes on at the server's position. A server that
+// does not report step ids leaves only the count.
 TEST_F(SessionTest, AnotherWritersStepOfTheSameCountIsNotTakenForTheLostOne) {
-  for (const bool keep_rows : {true, false}) {
-    SCOPED_TRACE(keep_rows);
-    const std::string id = keep_rows ? "same-count-kept" : "same-count";
-    std::unique_ptr<Session> s = Open(id, keep_rows);
-    ASSERT_NE(s, nullptr);
-    ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
-    server_.FailCall(server_.attend_calls() + 1, grpc::StatusCode::DEADLINE_EXCEEDED);
-    EXPECT_THAT(s->Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
-    StepElsewhere(id, 2, 1, "other-writer");
-    absl::StatusOr<v1::AttendResponse> next = s->Step(Rows(1, 4, 8));
-    if (keep_rows) {
-      EXPECT_THAT(next, StatusIs(absl::StatusCode::kFailedPrecondition,
-                                 HasSubstr("none of which makes 3 as its last step "
-                                           "\"other-writer\" did")));
-      EXPECT_EQ(s->position(), 2);
-      continue;
+  for (const std::string other : {"other-writer", ""}) {
+    for (const bool keep_rows : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(keep_rows, " ", other));
+      const std::string id = absl::StrCat(keep_rows ? "same-count-kept" : "same-count", other);
+      std::unique_ptr<Session> s = Open(id, keep_rows);
+      ASSERT_NE(s, nullptr);
+      ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+      server_.FailCall(server_.attend_calls() + 1, grpc::StatusCode::DEADLINE_EXCEEDED);
+      EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+                  StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+      StepElsewhere(id, 2, 1, other);
+      absl::StatusOr<v1::AttendResponse> next = s->Step(Rows(1, 4, 8));
+      if (keep_rows) {
+        EXPECT_THAT(next, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                   HasSubstr(absl::StrCat("none of which makes 3 as its last "
+                                                          "step (step_id \"", other, "\") did"))));
+        EXPECT_EQ(s->position(), 2);
+        continue;
+      }
+      // Taken as a new step at the server's position 3, not as a retry.
+      ASSERT_THAT(next, IsOk());
+      EXPECT_THAT(next->session_positions(), ElementsAre(4));
+      EXPECT_EQ(s->position(), 4);
     }
-    // Taken as a new step at the server's position 3, not as a retry.
-    ASSERT_THAT(next, IsOk());
-    EXPECT_THAT(next->session_positions(), ElementsAre(4));
-    EXPECT_EQ(s->position(), 4);
   }
   // The same without step ids: the count alone takes the other writer's
   // row for the lost step, and the retry appends nothing.

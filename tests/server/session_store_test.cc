@@ -57,7 +57,8 @@ TEST(SessionStoreTest, TheLastAppendingStepIdIsReported) {
   };
   auto last = [&] {
     absl::StatusOr<v1::SessionInfo> info = store.Info("s");
-    return info.ok() ? info->last_step_id() : info.status().ToString();
+    if (!info.ok()) return info.status().ToString();
+    return info->has_last_step_id() ? info->last_step_id() : std::string("(absent)");
   };
   SessionRequest create = Request("s", 0, true, 2);
   create.step_id = "one";

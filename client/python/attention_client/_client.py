@@ -196,7 +196,10 @@ class Session(_session.SessionBase):
         if core.resync_needed:
             self._resync(timeout)
         if core.retried(step):
-            # Appends nothing, so a failure leaves nothing unsure.
+            # A failure leaves nothing unsure: the read-only retry appends
+            # nothing, and after a recreation whose outcome is unknown the
+            # same retry is read-only again (if it was applied) or recreates
+            # again (NOT_FOUND).
             try:
                 raw = self._client._call(self._client._attend, core.request(step, read_only=True),
                                          timeout, core.affinity)

@@ -9,9 +9,12 @@ A step that fails without the server's refusal (past its deadline, its task
 cancelled, the connection lost, ABORTED after a resend) may have been applied
 all the same. Its outcome is unknown, so the next step first asks the server
 (GetSession) how many rows the session holds and goes on from there: the
-step counts as applied when the server holds its rows too (with keep_rows,
-they are then kept), and the next step, if it has the same rows (its retry),
-is sent read-only, for the answer that was lost. A server holding fewer rows
+step counts as applied when the server holds its rows too and names it as
+the last step that appended (each step carries a random step_id; a server
+that names none: by the count alone; with keep_rows, its rows are then
+kept), and the next step, if it has the same rows (its retry), is sent
+read-only, for the answer that was lost (with keep_rows, a session lost
+since is recreated from the kept rows, the step's among them). A server holding fewer rows
 than the answered steps put there holds a stale copy: with keep_rows it is
 closed and the step recreates the session, else the step is
 FAILED_PRECONDITION. With keep_rows a count that no such step explains is
@@ -283,12 +286,13 @@ class SessionCore:
                     "create it again")
             return True
         # The step the server last applied, where it names it: one of ours
-        # only if it has that id (a server that does not report it: by the
-        # count alone).
+        # only if it has that id (another writer's may have none); a server
+        # from before step ids: by the count alone.
+        named = info.HasField("last_step_id")
         last = info.last_step_id
         applied = [step for step in self.unsure
                    if self._count(step) is not None and self.position + self._count(step) == held
-                   and (not last or step[4] == last)]
+                   and (not named or step[4] == last)]
         if applied and all(self._same_rows(step, applied[0]) for step in applied[1:]):
             self.advance(applied[0], self.position, None)
             self.succeeded()
@@ -304,7 +308,7 @@ class SessionCore:
             grpc.StatusCode.FAILED_PRECONDITION,
             f"session {self.id}: the server holds {held} rows, the client {self.position} "
             f"and {len(self.unsure)} step(s) whose outcome is unknown, none of which makes "
-            f"{held}" + (f' as its last step "{last}" did' if last else "") +
+            f"{held}" + (f' as its last step (step_id "{last}") did' if named else "") +
             ": the kept rows no longer match the server's (another writer?); close "
             "the session and open another")
 

@@ -415,7 +415,7 @@ class SessionTest(unittest.TestCase):
             with self.assertRaises(AttentionError) as e:
                 s.step(rows[:, :, 3:4])
             self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
-            self.assertIn('as its last step "other-writer" did', e.exception.details())
+            self.assertIn('as its last step (step_id "other-writer") did', e.exception.details())
             c.close_sessions([s.id])
 
     def test_without_kept_rows_a_lost_session_is_not_found(self):

@@ -194,17 +194,19 @@ class SessionResyncTest(unittest.TestCase):
                 self.assertEqual(request.session.step_id, step[4])
                 self.assertEqual(len(step[4]), 16)
                 core.failed(step, AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "lost"))
-                other = service_pb2.SessionInfo(id="s", position=3, idle_ms=5,
-                                                last_step_id="other-writer")
-                if keep_rows:
-                    with self.assertRaises(AttentionError) as e:
-                        core.resync(other)
-                    self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
-                    self.assertIn('none of which makes 3 as its last step "other-writer" did',
-                                  e.exception.details())
-                else:
-                    self.assertFalse(core.resync(other))  # goes on at the server's position
-                    self.assertEqual((core.position, core.applied), (3, None))
+                for other in ("other-writer", ""):  # a writer that named its step, or not
+                    info = service_pb2.SessionInfo(id="s", position=3, idle_ms=5,
+                                                   last_step_id=other)
+                    if keep_rows:
+                        with self.assertRaises(AttentionError) as e:
+                            core.resync(info)
+                        self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+                        self.assertIn(f'none of which makes 3 as its last step (step_id "{other}") '
+                                      'did', e.exception.details())
+                    else:
+                        self.assertFalse(core.resync(info))  # on at the server's position
+                        self.assertEqual((core.position, core.applied), (3, None))
+                        break
                 core = _session.SessionCore("s", keep_rows, "float32", {})
                 core.advance(core.prepare(np.zeros((1, 2, 2), np.float32), None, None), 0, None)
                 step = core.prepare(np.ones((1, 1, 2), np.float32), None, None)
