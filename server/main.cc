@@ -4,9 +4,11 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -74,7 +76,8 @@ ABSL_FLAG(int64_t, max_queue_delay_us, attention::ServerOptions().max_queue_dela
           "override)");
 ABSL_FLAG(double, shutdown_delay_seconds, attention::ServerOptions().shutdown_delay_seconds,
           "On SIGTERM, before the drain: health turns NOT_SERVING (and /readyz 503) while calls "
-          "are still served for this long, so that proxies checking health stop sending first");
+          "are still served for this long, so that proxies checking health stop sending first (a "
+          "second signal ends the wait)");
 ABSL_FLAG(double, drain_seconds, attention::ServerOptions().drain_seconds,
           "On SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
           "get this long to finish before they are cancelled");
@@ -225,7 +228,20 @@ int main(int argc, char** argv) {
     int signal = 0;
     sigwait(&stop_signals, &signal);
     spdlog::info("signal {}: shutting down", signal);
-    s->Shutdown();
+    std::atomic<bool> stopped{false};
+    std::thread stopper([s, &stopped] {
+      s->Shutdown();
+      stopped = true;
+    });
+    // Meanwhile a second signal ends --shutdown_delay_seconds.
+    const timespec poll{0, 100'000'000};
+    while (!stopped) {
+      if (const int again = sigtimedwait(&stop_signals, nullptr, &poll); again > 0) {
+        spdlog::info("signal {} again: draining now", again);
+        s->EndShutdownDelay();
+      }
+    }
+    stopper.join();
   });
   (*server)->Wait();
   waiter.join();

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <limits>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attention/v1/service.grpc.pb.h"
@@ -126,6 +128,8 @@ struct AttentionServer::Impl {
   std::unique_ptr<server::AttentionServiceImpl> service;
   std::unique_ptr<server::ReflectionService> reflection;
   double shutdown_delay_seconds = 0;
+  absl::Notification shutdown_delay_ended;
+  std::atomic<bool> shutdown_delay_ending{false};  // Notify once
   double drain_seconds = 0;
   std::unique_ptr<grpc::Server> grpc_server;
   int port = 0;
@@ -310,9 +314,11 @@ void AttentionServer::Shutdown() {
     // Health checkers (a proxy's, a load balancer's) take the replica out
     // meanwhile, so the calls that would otherwise be refused below go to
     // the others instead.
-    spdlog::info("shutting down: NOT_SERVING, still serving calls for {} s before the drain",
+    spdlog::info("shutting down: NOT_SERVING, still serving calls for {} s before the drain "
+                 "(a second SIGTERM or SIGINT drains at once)",
                  impl_->shutdown_delay_seconds);
-    absl::SleepFor(absl::Seconds(impl_->shutdown_delay_seconds));
+    impl_->shutdown_delay_ended.WaitForNotificationWithTimeout(
+        absl::Seconds(impl_->shutdown_delay_seconds));
   }
   const absl::Time deadline = absl::Now() + absl::Seconds(impl_->drain_seconds);
   spdlog::info("draining: NOT_SERVING, refusing new calls, {} s for calls in flight",
@@ -333,6 +339,10 @@ void AttentionServer::Shutdown() {
   spdlog::info("drained: {} calls still open; closing connections", service.open_calls());
   // Calls still open past the deadline are cancelled.
   impl_->grpc_server->Shutdown(absl::ToChronoTime(deadline));
+}
+
+void AttentionServer::EndShutdownDelay() {
+  if (!impl_->shutdown_delay_ending.exchange(true)) impl_->shutdown_delay_ended.Notify();
 }
 
 int AttentionServer::metrics_port() const {

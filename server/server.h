@@ -123,6 +123,9 @@ class AttentionServer {
   // Turns NOT_SERVING, serves on for shutdown_delay_seconds, then stops
   // accepting calls and waits for in-flight ones. Idempotent.
   void Shutdown();
+  // Ends the shutdown delay now (a second SIGTERM or SIGINT): the drain
+  // starts at once. Also for a Shutdown() still to come. Thread-safe.
+  void EndShutdownDelay();
   // Blocks until Shutdown() has completed.
   void Wait();
 
