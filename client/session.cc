@@ -280,7 +280,7 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     // The session lost since its step was applied: the kept rows, which
     // hold the step's, make it again, and its query is answered over them.
     if (SessionNotFound(answer.status(), id()) && keys_ != nullptr) {
-      answer = RecreateApplied(request);
+      answer = Recreate(request, /*step_kept=*/true);
       if (answer.ok()) Settled();
     }
     // Otherwise the retry appended nothing, so nothing is unsure; applied_
@@ -290,7 +290,7 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     return answer;
   }
   if (SessionNotFound(answer.status(), id()) && created_ && keys_ != nullptr) {
-    answer = Recreate(request);
+    answer = Recreate(request, /*step_kept=*/false);
     if (answer.ok()) {
       Settled();
       return answer;
@@ -303,35 +303,28 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   return answer.status();
 }
 
-absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& step) {
+absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& step,
+                                                     bool step_kept) {
   v1::AttendRequest request = step;
-  v1::SessionSpec* spec = request.mutable_session();
-  spec->set_positions(0, 0);
-  spec->set_create(true);
-  spec->set_cache_dtype(options_.cache_dtype);
-  ATTN_ASSIGN_OR_RETURN(const int key_axis, SequenceAxis(step, "key", Keys(step)));
-  ATTN_ASSIGN_OR_RETURN(const int value_axis, SequenceAxis(step, "value", Values(step)));
-  ATTN_ASSIGN_OR_RETURN(v1::Tensor keys, keys_->With(Keys(step), key_axis));
-  ATTN_ASSIGN_OR_RETURN(v1::Tensor values, values_->With(Values(step), value_axis));
-  *request.mutable_key() = std::move(keys);
-  *request.mutable_value() = std::move(values);
-  ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, Send(request));
-  ++recreations_;
-  Advance(step, /*base=*/request.key().shape(key_axis) - Keys(step).shape(key_axis), answer);
-  return answer;
-}
-
-absl::StatusOr<v1::AttendResponse> Session::RecreateApplied(const v1::AttendRequest& retry) {
-  v1::AttendRequest request = retry;
   v1::SessionSpec* spec = request.mutable_session();
   spec->set_read_only(false);
   spec->set_positions(0, 0);
   spec->set_create(true);
   spec->set_cache_dtype(options_.cache_dtype);
-  *request.mutable_key() = keys_->All();
-  *request.mutable_value() = values_->All();
+  if (step_kept) {
+    *request.mutable_key() = keys_->All();
+    *request.mutable_value() = values_->All();
+    ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, Send(request));
+    ++recreations_;
+    return answer;
+  }
+  ATTN_ASSIGN_OR_RETURN(const int key_axis, SequenceAxis(step, "key", Keys(step)));
+  ATTN_ASSIGN_OR_RETURN(const int value_axis, SequenceAxis(step, "value", Values(step)));
+  ATTN_ASSIGN_OR_RETURN(*request.mutable_key(), keys_->With(Keys(step), key_axis));
+  ATTN_ASSIGN_OR_RETURN(*request.mutable_value(), values_->With(Values(step), value_axis));
   ATTN_ASSIGN_OR_RETURN(v1::AttendResponse answer, Send(request));
   ++recreations_;
+  Advance(step, /*base=*/request.key().shape(key_axis) - Keys(step).shape(key_axis), answer);
   return answer;
 }
 

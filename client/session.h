@@ -140,11 +140,10 @@ class Session {
   // Sends one request of the session: on the stream with options.stream,
   // else as a unary Attend.
   absl::StatusOr<v1::AttendResponse> Send(const v1::AttendRequest& request);
-  // `step` (which the server answered NOT_FOUND) as a create over the kept rows.
-  absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step);
-  // The read-only `retry` of the step Resync found applied, answered
-  // NOT_FOUND: a create over the kept rows, the step's among them.
-  absl::StatusOr<v1::AttendResponse> RecreateApplied(const v1::AttendRequest& retry);
+  // `step` (which the server answered NOT_FOUND) as a create over the kept
+  // rows and then the step's; step_kept: `step` is the read-only retry of
+  // the step Resync found applied, whose rows are among the kept ones.
+  absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step, bool step_kept);
   // Where the server has the session, after steps whose outcome is unknown
   // (Step's contract).
   absl::Status Resync();
