@@ -306,11 +306,15 @@ void AttentionServer::Shutdown() {
   absl::MutexLock lock(&impl_->mu);
   if (impl_->shut_down) return;
   impl_->shut_down = true;
-  impl_->grpc_server->GetHealthCheckService()->Shutdown();
-  if (impl_->metrics_server) {
-    impl_->metrics_server->SetNotReady("draining: the server is shutting down");
-  }
+  const auto stop_announcing = [&] {
+    impl_->grpc_server->GetHealthCheckService()->Shutdown();
+    if (impl_->metrics_server) {
+      impl_->metrics_server->SetNotReady("draining: the server is shutting down");
+    }
+  };
+  server::AttentionServiceImpl& service = *impl_->service;
   if (impl_->shutdown_delay_seconds > 0) {
+    stop_announcing();
     // Health checkers (a proxy's, a load balancer's) take the replica out
     // meanwhile, so the calls that would otherwise be refused below go to
     // the others instead.
@@ -328,9 +332,11 @@ void AttentionServer::Shutdown() {
   // ends after a shutdown began, and the close resets it when the caller's
   // flow-control updates arrive after it, discarding what the socket still
   // held of an answer (docs/benchmarks.md, "Decisions"). Meanwhile the
-  // service refuses new calls UNAVAILABLE.
-  server::AttentionServiceImpl& service = *impl_->service;
+  // service refuses new calls UNAVAILABLE. Without a delay it refuses them
+  // before health turns NOT_SERVING, so no caller that has seen NOT_SERVING
+  // is served.
   service.StartDraining();
+  if (impl_->shutdown_delay_seconds <= 0) stop_announcing();
   while (service.open_calls() > 0 && absl::Now() < deadline) {
     absl::SleepFor(kDrainPoll);
   }
