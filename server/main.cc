@@ -130,6 +130,15 @@ absl::Status WritePortFile(const std::string& path, int port) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Blocked first, before anything starts a thread, so that only the waiter
+  // below receives them; the mask outlives the execution below, so a
+  // SIGTERM arriving during start-up waits for the waiter rather than
+  // ending the process unlogged.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   // Idle engine threads sleep rather than spin (unless the environment says
   // otherwise): may execute this binary again, before anything else happens.
   attention::server::ReexecWithOpenMpDefaults(argv);
@@ -148,13 +157,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "attention_server: unexpected argument %s\n", positional[1]);
     return 1;
   }
-
-  // Blocked before gRPC starts threads, so only the waiter below receives them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   if (absl::Status logging = attention::server::InitLogging(absl::GetFlag(FLAGS_log_level));
       !logging.ok()) {
