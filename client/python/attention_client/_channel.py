@@ -1,7 +1,8 @@
 """What the blocking and asyncio clients set up alike: channel options (as
-the C++ client's: reconnect backoffs, retries of UNAVAILABLE on unary calls,
-message size), TLS credentials, the bearer token, and the health check's
-hand-encoded messages (grpc.health.v1 has no stubs in Debian's grpcio)."""
+the C++ client's: round-robin over the target's addresses, reconnect
+backoffs, retries of UNAVAILABLE on unary calls, message size), TLS
+credentials, the bearer token, and the health check's hand-encoded messages
+(grpc.health.v1 has no stubs in Debian's grpcio)."""
 import json
 import numbers
 
@@ -20,7 +21,11 @@ _HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKN
 # stream resends its step by the same policy (aio._StepStream).
 RETRY_ATTEMPTS = 4
 RETRY_FIRST_BACKOFF_S, RETRY_MAX_BACKOFF_S, RETRY_BACKOFF_MULTIPLIER = 0.1, 1.0, 2
+# Calls rotate over every address the target resolves to (a headless
+# Service's pods, "ipv4:A,B"), as the C++ client's do; gRPC's default policy
+# would send them all to the first.
 _SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [{
         "name": [{"service": "attention.v1.AttentionService", "method": m} for m in (
             "Attend", "GetServerInfo", "ListModels", "GetModel", "CloseSessions", "GetSession")]

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import grpc
@@ -571,6 +572,55 @@ class AffinityTest(unittest.TestCase):
             self.client.get_session("é")
         self.assertEqual(self.seen, [("Attend", "caf%C3%A9%201%25"),
                                      ("Attend", "caf%C3%A9%201%25"), ("GetSession", "%C3%A9")])
+
+
+class ReplicasTest(unittest.TestCase):
+    """A target of several addresses (a headless Service's pods, "ipv4:A,B"):
+    calls rotate over them all, as the C++ client's do. gRPC's default
+    policy would send every call to the first."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.servers = []
+        for name in ("replica-a", "replica-b"):
+            cls.servers.append(Server(flags=["--replica_name", name]))
+            with attention_client.Client(cls.servers[-1].target) as c:
+                cls.servers[-1].wait_serving(c)
+        cls.target = "ipv4:" + ",".join(s.target for s in cls.servers)
+
+    @classmethod
+    def tearDownClass(cls):
+        for s in cls.servers:
+            s.stop()
+
+    def test_calls_rotate_over_every_address_of_the_target(self):
+        # Calls until both replicas have answered (the second connection may
+        # come up a moment after the first), for at most 10 s.
+        seen = []
+        with attention_client.Client(self.target, timeout=10) as c:
+            deadline = time.monotonic() + 10
+            while len(set(seen)) < 2 and time.monotonic() < deadline:
+                seen.append(c.server_info().replica)
+        self.assertEqual(set(seen), {"replica-a", "replica-b"}, seen)
+
+    def test_the_asyncio_clients_calls_rotate_too(self):
+        import asyncio
+
+        from attention_client import aio
+
+        async def answering():
+            seen = []
+            c = aio.Client(self.target, timeout=10)
+            try:
+                deadline = time.monotonic() + 10
+                while len(set(seen)) < 2 and time.monotonic() < deadline:
+                    seen.append((await c.server_info()).replica)
+            finally:
+                await c.close()
+            return seen
+
+        seen = asyncio.run(answering())
+        self.assertEqual(set(seen), {"replica-a", "replica-b"}, seen)
 
 
 class SecurityTest(unittest.TestCase):
