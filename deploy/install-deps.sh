@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages that building and testing need (with
 # --fuzz, also what deploy/fuzz.sh needs; with --build-only, only what
-# building needs), only those missing; runs apt-get
+# building needs; with --python-client [--without-torch], only what
+# deploy/install-python-client.sh needs), only those missing; runs apt-get
 # update only when a missing package has no candidate or the install fails on
 # stale lists. Idempotent; installing needs root.
 set -euo pipefail
@@ -32,8 +33,19 @@ test_packages=(
 # --fuzz (deploy/fuzz.sh): Clang with libFuzzer and its sanitizer runtimes,
 # llvm-symbolizer for readable reports, and libomp-14-dev for Clang's omp.h
 # only (the fuzz build links GCC's libgomp, as oneDNN does).
+# --python-client: Debian's Python with grpcio, protobuf and numpy (torch for
+# attention_client.torch, unless --without-torch follows), venv, pip and
+# setuptools, and protoc with grpc_python_plugin for the package's stubs.
+python_client_packages=(
+  python3 python3-grpcio python3-protobuf python3-numpy python3-pip python3-setuptools
+  python3-venv protobuf-compiler protobuf-compiler-grpc
+)
 case ${1:-} in
   --build-only) ;;
+  --python-client)
+    packages=("${python_client_packages[@]}")
+    [[ ${2:-} == --without-torch ]] || packages+=(python3-torch)
+    ;;
   --fuzz) packages+=("${test_packages[@]}" clang libclang-rt-14-dev llvm-14 libomp-14-dev) ;;
   *) packages+=("${test_packages[@]}") ;;
 esac
