@@ -41,13 +41,21 @@ python_client_packages=(
   python3-venv protobuf-compiler protobuf-compiler-grpc
 )
 case ${1:-} in
+  "") packages+=("${test_packages[@]}") ;;
   --build-only) ;;
+  --fuzz) packages+=("${test_packages[@]}" clang libclang-rt-14-dev llvm-14 libomp-14-dev) ;;
   --python-client)
     packages=("${python_client_packages[@]}")
-    [[ ${2:-} == --without-torch ]] || packages+=(python3-torch)
+    case ${2:-} in
+      "") packages+=(python3-torch) ;;
+      --without-torch) ;;
+      *) echo "install-deps: --python-client takes only --without-torch, not $2" >&2; exit 2 ;;
+    esac
     ;;
-  --fuzz) packages+=("${test_packages[@]}" clang libclang-rt-14-dev llvm-14 libomp-14-dev) ;;
-  *) packages+=("${test_packages[@]}") ;;
+  *)
+    echo "install-deps: unknown option $1 (--build-only, --fuzz, --python-client [--without-torch])" >&2
+    exit 2
+    ;;
 esac
 
 installed() {

@@ -8,17 +8,25 @@
 # not the service's build and test tools. Idempotent.
 #
 # Usage: deploy/install-python-client.sh [--without-torch] [VENV_DIR]
-#   (default: .venv; --without-torch: no python3-torch, so no
-#   attention_client.torch unless torch is there already)
+#   (VENV_DIR: relative to the current folder; default: the repository's
+#   .venv; --without-torch: no python3-torch, so no attention_client.torch
+#   unless torch is there already)
 # Then:  .venv/bin/python -c 'import attention_client'
 set -euo pipefail
+usage="usage: $0 [--without-torch] [VENV_DIR]"
+torch=(); modules=attention_client,attention_client.aio; venv=
+for arg in "$@"; do
+  case $arg in
+    --without-torch) torch=(--without-torch) ;;
+    -*) echo "install-python-client: unknown option $arg; $usage" >&2; exit 2 ;;
+    *)
+      [[ -z $venv ]] || { echo "install-python-client: two folders, $venv and $arg; $usage" >&2; exit 2; }
+      venv=$(realpath -m -- "$arg")
+      ;;
+  esac
+done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-torch=(); modules=attention_client,attention_client.aio
-if [[ ${1:-} == --without-torch ]]; then
-  torch=(--without-torch)
-  shift
-fi
-venv=${1:-.venv}
+venv=${venv:-$PWD/.venv}
 
 bash deploy/install-deps.sh --python-client "${torch[@]}"
 # Debian's interpreter: the venv's site packages are Debian's dist-packages.

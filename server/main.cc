@@ -79,7 +79,7 @@ ABSL_FLAG(double, shutdown_delay_seconds, attention::ServerOptions().shutdown_de
           "are still served for this long, so that proxies checking health stop sending first (a "
           "second signal ends the wait)");
 ABSL_FLAG(double, drain_seconds, attention::ServerOptions().drain_seconds,
-          "On SIGTERM: health turns NOT_SERVING, new calls are refused, and calls in flight "
+          "On SIGTERM: new calls are refused, health turns NOT_SERVING, and calls in flight "
           "get this long to finish before they are cancelled");
 ABSL_FLAG(double, max_connection_age_seconds, attention::ServerOptions().max_connection_age_seconds,
           "Connections older than this are asked to reconnect (after up to --drain_seconds for "

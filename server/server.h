@@ -120,8 +120,9 @@ class AttentionServer {
   // "127.0.0.1:<port>" form of the bound address, for clients.
   std::string address() const;
 
-  // Turns NOT_SERVING, serves on for shutdown_delay_seconds, then stops
-  // accepting calls and waits for in-flight ones. Idempotent.
+  // With shutdown_delay_seconds, turns NOT_SERVING and serves on that long;
+  // then refuses new calls (without a delay, just before turning
+  // NOT_SERVING) and waits for in-flight ones. Idempotent.
   void Shutdown();
   // Ends the shutdown delay now (a second SIGTERM or SIGINT): the drain
   // starts at once. Also for a Shutdown() still to come. Thread-safe.

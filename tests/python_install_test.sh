@@ -23,10 +23,15 @@ fail() { server_fail "python_install_test: $*"; }
 server_start "$server_bin" "$tmp"
 server_wait_serving "$cli_bin"
 
-# A call of the demo model, and with torch the drop-in layer over it.
+# A call of the demo model, and with torch the drop-in layer over it;
+# without, torch (which Debian'"'"'s site packages hold here) cannot be
+# imported, so the package and its asyncio client must not need it.
 call='
 import sys
+if sys.argv[2] == "without-torch":
+    sys.modules["torch"] = None
 import numpy as np
+import attention_client.aio
 from attention_client import Client
 with Client(sys.argv[1], timeout=30) as c:
     out = c.attend(np.ones((1, 3, 64), np.float32), model="demo").output
