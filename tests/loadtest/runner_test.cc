@@ -60,7 +60,12 @@ RunResult RunOk(const RunOptions& options, const v1::AttendRequest& request = Sm
   return result.ok() ? *std::move(result) : RunResult{};
 }
 
-TEST_P(RunnerTransportTest, OpenLoopHoldsItsRateWithinTwoPercent) {
+// Every call due is sent, at its time. The bounds leave room for a loaded
+// machine (a sanitizer build beside other tests): a 2% bound on the rate
+// failed once in CI when the last sends were 68 ms late. The median send's
+// lateness tells a tester keeping its schedule (microseconds) from one
+// pacing at another rate or in bursts (tens to hundreds of milliseconds).
+TEST_P(RunnerTransportTest, OpenLoopSendsEveryCallOnSchedule) {
   FakeAttentionServer server;
   RunOptions options = Options({&server});
   options.schedule = Schedule::Constant(LoadKind::kRate, 1000, absl::Seconds(3));
@@ -68,7 +73,8 @@ TEST_P(RunnerTransportTest, OpenLoopHoldsItsRateWithinTwoPercent) {
   EXPECT_EQ(stats.sent, 3000);
   EXPECT_EQ(stats.requests(), 3000);
   EXPECT_EQ(stats.errors(), 0) << stats.first_error;
-  EXPECT_NEAR(stats.sent_rps(), 1000, 20);
+  EXPECT_LT(stats.send_lateness.ValueAtQuantile(0.5), 10'000'000);
+  EXPECT_NEAR(stats.sent_rps(), 1000, 100);
 }
 
 // The bug every closed-loop tester has (coordinated omission): while the
