@@ -16,36 +16,33 @@ packages=(
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libssl-dev openssl jq
   libnghttp2-dev
 )
+# Debian's Python with grpcio, protobuf and numpy, and pip, setuptools and
+# venv to install the Python client (client/python, python_client_test,
+# deploy/install-python-client.sh; torch, for attention_client.torch, apart).
+python_packages=(
+  python3 python3-grpcio python3-protobuf python3-numpy python3-pip python3-setuptools
+  python3-venv
+)
 # What the tests run beyond our binaries (not with --build-only, which the
 # image's build stage uses): haproxy, the proxy session_proxy_test routes
 # sessions through; prometheus (with promtool): prometheus_test and
 # prometheus_rules; dpkg-dev (dpkg-shlibdeps), lintian and systemd
-# (systemd-analyze): deb_package; Debian's Python with grpcio, protobuf, numpy
-# and torch, and pip, setuptools and venv to install the Python client
-# (client/python, python_client_test, deploy/install-python-client.sh);
+# (systemd-analyze): deb_package; the Python client's packages and torch;
 # chromium: the load tester's HTML report tests open their pages in it.
 test_packages=(
-  haproxy prometheus dpkg-dev lintian systemd
-  python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-pip
-  python3-setuptools python3-venv
-  chromium
+  haproxy prometheus dpkg-dev lintian systemd "${python_packages[@]}" python3-torch chromium
 )
 # --fuzz (deploy/fuzz.sh): Clang with libFuzzer and its sanitizer runtimes,
 # llvm-symbolizer for readable reports, and libomp-14-dev for Clang's omp.h
 # only (the fuzz build links GCC's libgomp, as oneDNN does).
-# --python-client: Debian's Python with grpcio, protobuf and numpy (torch for
-# attention_client.torch, unless --without-torch follows), venv, pip and
-# setuptools, and protoc with grpc_python_plugin for the package's stubs.
-python_client_packages=(
-  python3 python3-grpcio python3-protobuf python3-numpy python3-pip python3-setuptools
-  python3-venv protobuf-compiler protobuf-compiler-grpc
-)
+# --python-client: the Python client's packages (torch unless
+# --without-torch follows), and protoc with grpc_python_plugin for its stubs.
 case ${1:-} in
   "") packages+=("${test_packages[@]}") ;;
   --build-only) ;;
   --fuzz) packages+=("${test_packages[@]}" clang libclang-rt-14-dev llvm-14 libomp-14-dev) ;;
   --python-client)
-    packages=("${python_client_packages[@]}")
+    packages=("${python_packages[@]}" protobuf-compiler protobuf-compiler-grpc)
     case ${2:-} in
       "") packages+=(python3-torch) ;;
       --without-torch) ;;
