@@ -178,7 +178,7 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
 // Intel host non-temporal prefetches (NTA) were lost before their rows
 // were read, and every step read half as fast (0.43x of the probe where T1
 // read 1.3x of the same probe); T0 read FLOAT32 caches about 10% slower
-// than T1 there (docs/benchmarks.md, "Sessions"). On an AMD host all three
+// than T1 there (docs/decode-log.md). On an AMD host all three
 // read alike.
 //
 // kBytes known at compile time (a key kernel's row): unrolled.
@@ -203,7 +203,7 @@ ATTN_AVX512 inline void PrefetchSlice(const char* p, int64_t bytes) {
 // kernel of two rows issued 16 loads per value row where 8 do, the scores
 // kernels of two and three rows 8 and 12 per key element where 4 do. Kept
 // in a register, a grouped-query FLOAT32 step over a cache in L3 ran 9%
-// faster; cold, within the noise (docs/benchmarks.md, "Sessions").
+// faster; cold, within the noise (docs/decode-log.md).
 template <int kUses>
 ATTN_AVX512 inline __m512 LoadOnce(const float* p) {
   __m512 x = _mm512_loadu_ps(p);
@@ -797,7 +797,7 @@ void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* 
 // of 16 elements are 64 bytes of a value_dim * 4-byte row per pair of rows.
 // On the Intel host where vdpbf16ps kept a grouped-query step (four query
 // rows per key/value head) near its arithmetic limit, the tiles made it
-// 8-16% faster (docs/benchmarks.md, "Sessions").
+// 8-16% faster (docs/decode-log.md).
 #define ATTN_TILES __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16")))
 
 // The tile instructions, by tile number (a literal). Written here rather
@@ -1009,7 +1009,7 @@ std::atomic<bool> dot_products_forced{false};
 // FMAs (one per 0.84 ns on a thread against an FMA per 0.21 ns, 2026-11-27),
 // so its two multiply-adds per lane cost twice the FMAs' widened float32
 // ones, and a grouped-query FAST step ran 6% faster in float32
-// (docs/benchmarks.md, "Sessions"). The AMD hosts measured ran them faster
+// (docs/decode-log.md). The AMD hosts measured ran them faster
 // than float32 math, one-row steps included (2026-11-28).
 bool DotProductsFaster() {
 #ifdef ATTN_DECODE_AVX512

@@ -49,8 +49,8 @@ struct DecodeItem {
 // Below this many query rows per key/value head, FAST takes no tiles: they
 // would be mostly empty. Such steps take bf16 dot products where those beat
 // float32 math (DecodeDotProductsChosen), as from one row they do on the AMD
-// hosts measured, and float32 math elsewhere (docs/benchmarks.md,
-// "Sessions", has the measurements).
+// hosts measured, and float32 math elsewhere (docs/decode-log.md
+// has the measurements).
 inline constexpr int64_t kMinTileRows = 4;
 
 // Most query rows (group x query_len) of one item.
@@ -67,7 +67,7 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads);
 // per thread in all, so that every thread stays busy to the end of the pass
 // when sessions differ in length, and a multiple of the threads, so that
 // sessions of one length end level (one unit each of 9 sessions on 2
-// threads ran 5 and 4; docs/benchmarks.md, "Sessions", has what splitting
+// threads ran 5 and 4; docs/decode-log.md has what splitting
 // them gained). A cache too short to split gets fewer. A lone session whose
 // blocks split takes more, in ranges that shrink as they go, so that the
 // threads end level even when they run at different speeds.
@@ -82,8 +82,8 @@ int64_t DecodeUnitsPerSession(int64_t sessions, int threads);
 // them in order as they finish: equal ranges, four per thread, ended with
 // one thread idle for up to a range while the other finished its last, as
 // the two threads of a VM do not run at one speed (one streamed 25% slower
-// than the other through a whole step). docs/benchmarks.md, "Sessions",
-// has what they gained.
+// than the other through a whole step). docs/decode-log.md has
+// what they gained.
 std::vector<int64_t> ShrinkingBlockRanges(int64_t blocks, int threads);
 
 // Tests: y = exp(x) over n floats as the softmax step's AVX-512 kernels

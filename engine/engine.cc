@@ -165,7 +165,7 @@ struct Engine::Impl {
   std::unique_ptr<internal::ComputeBackend> backend;
   // options.threads, or the cores online when the engine was created: read
   // once, since std::thread::hardware_concurrency reads a file under /sys
-  // each time (20-35 us per call on the Intel host, docs/benchmarks.md).
+  // each time (20-35 us per call on the Intel host, docs/decode-log.md).
   int cost_threads = 1;
 
   absl::Mutex mu;

@@ -77,7 +77,7 @@ struct Timed {
 // Each pass calls them in a new random order, so that every call follows
 // each other one about equally often: in a fixed order, the first step
 // after the probes (or after a 20 ms pause) ran 2-14% slower than the same
-// step right after another step (docs/benchmarks.md, "Sessions").
+// step right after another step (docs/decode-log.md).
 std::vector<double> TimeInterleaved(const std::vector<Timed>& fns, double min_seconds) {
   for (const Timed& f : fns) f.call();  // warm-up
   std::vector<double> spent(fns.size(), 0.0);
@@ -386,8 +386,8 @@ class Decoder {
 // pushed it out of the CPU's caches, not because it was flushed (which
 // probably also leaves its pages' translations fresh), and only a call's
 // first step runs right after another call (a 1.5 ms step right after the
-// probes ran 10-16% slower: --predecessors). docs/benchmarks.md,
-// "Sessions", compares the two.
+// probes ran 10-16% slower: --predecessors). docs/decode-log.md
+// compares the two.
 class Sessions {
  public:
   // --back-to-back: steps per call, and the cache the copies hold at least.
@@ -487,7 +487,7 @@ void Spin(double ms, int threads) {
 // --predecessors: what ran just before a step changes its time. The
 // shape's FLOAT32 step, flushed first as in the table (but where said),
 // timed after each of these in turn, 60 times; the median of each and its
-// ratio to the first (docs/benchmarks.md, "Sessions", has what it showed).
+// ratio to the first (docs/decode-log.md has what it showed).
 void Predecessors(const Engine& engine, const Shape& s, ReadProbe& probe, MultiplyAddProbe& fma,
                   int threads) {
   Decoder f32(s, DType::kFloat32), bf16(s, DType::kBFloat16);
