@@ -2,18 +2,18 @@
 // exactly what it gets alone.
 
 #include <cstring>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "engine/engine.h"
 #include "common/half.h"
+#include "engine/engine.h"
 #include "engine/multihead.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/golden_case.h"
+#include "tests/random_tensor.h"
 #include "tests/status_matchers.h"
 
 namespace attention {
@@ -22,23 +22,8 @@ namespace {
 using ::testing::HasSubstr;
 using testing::StatusIs;
 
-struct Input {
-  std::vector<int64_t> shape;
-  std::vector<float> values;
-  TensorView view() const {
-    return TensorView{DType::kFloat32, shape, values.data(), values.size() * sizeof(float)};
-  }
-};
-
-Input Random(std::vector<int64_t> shape, uint32_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  Input in{std::move(shape), std::vector<float>(static_cast<size_t>(n))};
-  for (float& x : in.values) x = dist(rng);
-  return in;
-}
+using Input = testing::FloatTensor;
+using testing::RandomFloats;
 
 class BatchTest : public ::testing::TestWithParam<Backend> {
  protected:
@@ -58,8 +43,10 @@ class BatchTest : public ::testing::TestWithParam<Backend> {
 
 TEST_P(BatchTest, EveryCallGetsExactlyItsOwnResult) {
   // Raw calls of different shapes and paths, and layer calls of different lengths.
-  const Input q1 = Random({2, 70, 16}, 1), q2 = Random({1, 4, 5, 8}, 2), k2 = Random({1, 2, 9, 8}, 3);
-  const Input x1 = Random({3, 16, 8}, 4), x2 = Random({1, 5, 8}, 5), x3 = Random({2, 300, 8}, 6);
+  const Input q1 = RandomFloats({2, 70, 16}, 1), q2 = RandomFloats({1, 4, 5, 8}, 2),
+              k2 = RandomFloats({1, 2, 9, 8}, 3);
+  const Input x1 = RandomFloats({3, 16, 8}, 4), x2 = RandomFloats({1, 5, 8}, 5),
+              x3 = RandomFloats({2, 300, 8}, 6);
   std::vector<AttentionArgs> args(5);
   args[0].query = q1.view();
   args[0].num_heads = 4;
@@ -93,7 +80,7 @@ TEST_P(BatchTest, EveryCallGetsExactlyItsOwnResult) {
 }
 
 TEST_P(BatchTest, ABadCallFailsAloneAndTheOthersStillRun) {
-  const Input good = Random({1, 5, 8}, 7), bad = Random({1, 5, 7}, 8);
+  const Input good = RandomFloats({1, 5, 8}, 7), bad = RandomFloats({1, 5, 7}, 8);
   AttentionArgs a, b, c;
   a.query = good.view();
   b.query = bad.view();  // last dim 7 does not match embed_dim 8
@@ -111,7 +98,7 @@ TEST_P(BatchTest, ABadCallFailsAloneAndTheOthersStillRun) {
 // alone handed one view the other's copy: a read past the end of a shorter
 // one, through the public API.)
 TEST_P(BatchTest, ViewsOfOneBufferAreConvertedEachOnItsOwn) {
-  const Input source = Random({1, 64, 16}, 9);
+  const Input source = RandomFloats({1, 64, 16}, 9);
   std::vector<uint16_t> shared(source.values.size());
   for (size_t i = 0; i < shared.size(); ++i) shared[i] = FloatToFloat16(source.values[i]);
   // The same bytes again, in buffers of their own.

@@ -11,10 +11,11 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "engine/attention.h"
 #include "common/half.h"
+#include "engine/attention.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/random_tensor.h"
 #include "tests/status_matchers.h"
 
 namespace attention {
@@ -44,13 +45,8 @@ Owned Floats(std::vector<int64_t> shape, absl::Span<const float> v) {
 }
 
 Owned Random(std::vector<int64_t> shape, uint32_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return Floats(std::move(shape), v);
+  const testing::FloatTensor t = testing::RandomFloats(std::move(shape), seed);
+  return Floats(t.shape, t.values);
 }
 
 class EngineTest : public ::testing::Test {

@@ -6,7 +6,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/golden_case.h"
+#include "tests/random_tensor.h"
 #include "tests/status_matchers.h"
 
 namespace attention {
@@ -29,23 +29,8 @@ using ::testing::HasSubstr;
 using testing::IsOk;
 using testing::StatusIs;
 
-struct Input {
-  std::vector<int64_t> shape;
-  std::vector<float> values;
-  TensorView view() const {
-    return TensorView{DType::kFloat32, shape, values.data(), values.size() * sizeof(float)};
-  }
-};
-
-Input Random(std::vector<int64_t> shape, uint32_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  Input in{std::move(shape), std::vector<float>(static_cast<size_t>(n))};
-  for (float& x : in.values) x = dist(rng);
-  return in;
-}
+using Input = testing::FloatTensor;
+using testing::RandomFloats;
 
 // Concatenates a and b along `axis` (their other dims equal).
 Input Concat(const Input& a, const Input& b, size_t axis) {
@@ -222,7 +207,7 @@ TEST(KvCacheTest, EveryElementReadsBackAndRollbackRestoresZeros) {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     SCOPED_TRACE(DTypeName(dtype));
     const int64_t heads = 4, kd = 33, vd = 31, rows = 637;
-    const Input k = Random({rows, heads, kd}, 140), v = Random({rows, heads, vd}, 141);
+    const Input k = RandomFloats({rows, heads, kd}, 140), v = RandomFloats({rows, heads, vd}, 141);
     auto cache = NewCache(heads, kd, vd, dtype), pieces = NewCache(heads, kd, vd, dtype);
     ASSERT_THAT(AppendInputs(*cache, k, v, 0, rows), IsOk());
     cache->Commit();
@@ -294,8 +279,8 @@ TEST_P(SessionTest, PrefillThenStepsMatchTheStatelessCall) {
     Input keys, values;
     uint32_t seed = 1;
     for (int64_t rows : {70, 1, 1, 1, 3, 1}) {
-      const Input q = Random({1, rows, 32}, seed++), k = Random({1, rows, 32}, seed++),
-                  v = Random({1, rows, 32}, seed++);
+      const Input q = RandomFloats({1, rows, 32}, seed++), k = RandomFloats({1, rows, 32}, seed++),
+                  v = RandomFloats({1, rows, 32}, seed++);
       keys = Concat(keys, k, 1);
       values = Concat(values, v, 1);
       AttentionArgs args;
@@ -325,7 +310,7 @@ TEST_P(SessionTest, PrefillIntoNewSessionsIsTheStatelessCall) {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     SCOPED_TRACE(DTypeName(dtype));
     auto a = NewCache(4, 8, 8, dtype), b = NewCache(4, 8, 8, dtype);
-    const Input x = Random({2, 70, 32}, 30);
+    const Input x = RandomFloats({2, 70, 32}, 30);
     AttentionArgs args;
     args.query = x.view();  // self-attention: key = value = query
     args.num_heads = 4;
@@ -350,8 +335,8 @@ TEST_P(SessionTest, PrefillIntoNewSessionsIsTheStatelessCall) {
     }
   }
   // Rank 4, grouped-query heads, BFLOAT16 tensors on the wire.
-  const Input q = Random({2, 4, 70, 8}, 31), k = Random({2, 2, 70, 8}, 32),
-              v = Random({2, 2, 70, 6}, 33);
+  const Input q = RandomFloats({2, 4, 70, 8}, 31), k = RandomFloats({2, 2, 70, 8}, 32),
+              v = RandomFloats({2, 2, 70, 6}, 33);
   auto bf16 = [](const Input& in, std::vector<uint16_t>& bits) {
     bits.clear();
     for (float f : in.values) bits.push_back(FloatToBFloat16(f));
@@ -377,8 +362,8 @@ TEST_P(SessionTest, PrefillIntoNewSessionsIsTheStatelessCall) {
   as_float.value = vf.view();
   ExpectStateless(*got, as_float, "grouped-query");
   // Then one row more: the general path over the cached rows.
-  const Input q1 = Random({2, 4, 1, 8}, 34), k1 = Random({2, 2, 1, 8}, 35),
-              v1 = Random({2, 2, 1, 6}, 36);
+  const Input q1 = RandomFloats({2, 4, 1, 8}, 34), k1 = RandomFloats({2, 2, 1, 8}, 35),
+              v1 = RandomFloats({2, 2, 1, 6}, 36);
   AttentionArgs step;
   step.query = q1.view();
   step.key = k1.view();
@@ -395,12 +380,12 @@ TEST_P(SessionTest, PrefillIntoNewSessionsIsTheStatelessCall) {
 // One new session and one with rows already: not the prefill's one call.
 TEST_P(SessionTest, PrefillBesideAnOlderSessionAttendsEachOwnRows) {
   auto fresh = NewCache(2, 8, 8), older = NewCache(2, 8, 8);
-  const Input x0 = Random({1, 5, 16}, 37);
+  const Input x0 = RandomFloats({1, 5, 16}, 37);
   AttentionArgs args;
   args.query = x0.view();
   args.num_heads = 2;
   ASSERT_THAT(Step(args, {older.get()}).status(), IsOk());
-  const Input x = Random({2, 70, 16}, 38);
+  const Input x = RandomFloats({2, 70, 16}, 38);
   args.query = x.view();
   args.mask.causal = Causal::kBottomRight;
   absl::StatusOr<AttentionResult> got = Step(args, {fresh.get(), older.get()});
@@ -426,7 +411,8 @@ TEST_P(SessionTest, RaggedRowsAreEachTheirOwnCall) {
   std::vector<Input> keys(3), values(3);
   for (int b = 0; b < 3; ++b) {
     caches.push_back(NewCache(2, 8, 8));
-    const Input k = Random({1, 10 + 60 * b, 16}, 10 + b), v = Random({1, 10 + 60 * b, 16}, 20 + b);
+    const Input k = RandomFloats({1, 10 + 60 * b, 16}, 10 + b),
+                v = RandomFloats({1, 10 + 60 * b, 16}, 20 + b);
     AttentionArgs args;
     args.query = k.view();
     args.key = k.view();
@@ -438,7 +424,8 @@ TEST_P(SessionTest, RaggedRowsAreEachTheirOwnCall) {
   }
   for (bool need_weights : {false, true}) {
     SCOPED_TRACE(need_weights ? "general path" : "decode kernel");
-    const Input q = Random({3, 1, 16}, 31), k = Random({3, 1, 16}, 32), v = Random({3, 1, 16}, 33);
+    const Input q = RandomFloats({3, 1, 16}, 31), k = RandomFloats({3, 1, 16}, 32),
+                v = RandomFloats({3, 1, 16}, 33);
     AttentionArgs args;
     args.query = q.view();
     args.key = k.view();
@@ -486,16 +473,17 @@ TEST_P(SessionTest, GroupedQueryHeadsShareTheirKeyValueHead) {
   for (int64_t prefill : {5, 3000}) {
     SCOPED_TRACE(prefill);
     auto cache = NewCache(2, 16, 16);
-    const Input k0 = Random({1, 2, prefill, 16}, 41), v0 = Random({1, 2, prefill, 16}, 42);
-    const Input q0 = Random({1, 8, prefill, 16}, 43);
+    const Input k0 = RandomFloats({1, 2, prefill, 16}, 41),
+                v0 = RandomFloats({1, 2, prefill, 16}, 42);
+    const Input q0 = RandomFloats({1, 8, prefill, 16}, 43);
     AttentionArgs args;
     args.query = q0.view();
     args.key = k0.view();
     args.value = v0.view();
     args.mask.causal = Causal::kBottomRight;
     ASSERT_THAT(Step(args, {cache.get()}).status(), IsOk());
-    const Input q = Random({1, 8, 2, 16}, 44), k = Random({1, 2, 2, 16}, 45),
-                v = Random({1, 2, 2, 16}, 46);
+    const Input q = RandomFloats({1, 8, 2, 16}, 44), k = RandomFloats({1, 2, 2, 16}, 45),
+                v = RandomFloats({1, 2, 2, 16}, 46);
     args.query = q.view();
     args.key = k.view();
     args.value = v.view();
@@ -531,7 +519,8 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
           // blocks, each head on its own.
           const int64_t kv_heads = 2, keys = 600;
           auto cache = NewCache(kv_heads, dim, dim, dtype);
-          const Input k0 = Random({1, kv_heads, keys, dim}, 120), v0 = Random({1, kv_heads, keys, dim}, 121);
+          const Input k0 = RandomFloats({1, kv_heads, keys, dim}, 120),
+                      v0 = RandomFloats({1, kv_heads, keys, dim}, 121);
           // The rows go in directly: this test is about the step, and a
           // prefill through the reference backend would take most of its time.
           ASSERT_THAT(cache->Append(keys, k0.values.data(), dim, keys * dim, v0.values.data(), dim,
@@ -539,8 +528,9 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
                       IsOk());
           cache->Commit();
           AttentionArgs args;
-          const Input q = Random({1, kv_heads * group, 1, dim}, 122),
-                      k = Random({1, kv_heads, 1, dim}, 123), v = Random({1, kv_heads, 1, dim}, 124);
+          const Input q = RandomFloats({1, kv_heads * group, 1, dim}, 122),
+                      k = RandomFloats({1, kv_heads, 1, dim}, 123),
+                      v = RandomFloats({1, kv_heads, 1, dim}, 124);
           args.query = q.view();
           args.key = k.view();
           args.value = v.view();
@@ -574,17 +564,17 @@ TEST_P(SessionTest, DecodeKernelSplitsSessionsThatDoNotDivideAmongThreads) {
       SessionCall session;
       for (int64_t b = 0; b < batch; ++b) {
         caches.push_back(NewCache(kv_heads, dim, dim, dtype));
-        k0.push_back(Random({1, kv_heads, cached, dim}, static_cast<uint32_t>(170 + 2 * b)));
-        v0.push_back(Random({1, kv_heads, cached, dim}, static_cast<uint32_t>(171 + 2 * b)));
+        k0.push_back(RandomFloats({1, kv_heads, cached, dim}, static_cast<uint32_t>(170 + 2 * b)));
+        v0.push_back(RandomFloats({1, kv_heads, cached, dim}, static_cast<uint32_t>(171 + 2 * b)));
         ASSERT_THAT(caches[b]->Append(cached, k0[b].values.data(), dim, cached * dim,
                                       v0[b].values.data(), dim, cached * dim),
                     IsOk());
         caches[b]->Commit();
         session.caches.push_back(caches[b].get());
       }
-      const Input q = Random({batch, kv_heads * group, 1, dim}, 190),
-                  k = Random({batch, kv_heads, 1, dim}, 191),
-                  v = Random({batch, kv_heads, 1, dim}, 192);
+      const Input q = RandomFloats({batch, kv_heads * group, 1, dim}, 190),
+                  k = RandomFloats({batch, kv_heads, 1, dim}, 191),
+                  v = RandomFloats({batch, kv_heads, 1, dim}, 192);
       AttentionArgs args;
       args.query = q.view();
       args.key = k.view();
@@ -705,14 +695,15 @@ TEST_P(SessionTest, ALoneLongSessionSplitIntoShrinkingRangesMatches) {
       if (fast && dtype == DType::kFloat32) continue;
       SCOPED_TRACE(absl::StrCat(DTypeName(dtype), fast ? " FAST" : ""));
       auto cache = NewCache(kv_heads, dim, dim, dtype);
-      const Input k0 = Random({1, kv_heads, cached, dim}, 220),
-                  v0 = Random({1, kv_heads, cached, dim}, 221);
+      const Input k0 = RandomFloats({1, kv_heads, cached, dim}, 220),
+                  v0 = RandomFloats({1, kv_heads, cached, dim}, 221);
       ASSERT_THAT(cache->Append(cached, k0.values.data(), dim, cached * dim, v0.values.data(), dim,
                                 cached * dim),
                   IsOk());
       cache->Commit();
-      const Input q = Random({1, kv_heads * group, 1, dim}, 222),
-                  k = Random({1, kv_heads, 1, dim}, 223), v = Random({1, kv_heads, 1, dim}, 224);
+      const Input q = RandomFloats({1, kv_heads * group, 1, dim}, 222),
+                  k = RandomFloats({1, kv_heads, 1, dim}, 223),
+                  v = RandomFloats({1, kv_heads, 1, dim}, 224);
       AttentionArgs args;
       args.query = q.view();
       args.key = k.view();
@@ -747,15 +738,15 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
                                     DTypeName(dtype), fast ? " FAST" : ""));
           const int64_t kv_heads = 2, group = 2, dim = 32, rows = 4;
           auto cache = NewCache(kv_heads, dim, dim, dtype);
-          const Input k0 = Random({1, kv_heads, cached, dim}, 160),
-                      v0 = Random({1, kv_heads, cached, dim}, 161);
+          const Input k0 = RandomFloats({1, kv_heads, cached, dim}, 160),
+                      v0 = RandomFloats({1, kv_heads, cached, dim}, 161);
           ASSERT_THAT(cache->Append(cached, k0.values.data(), dim, cached * dim, v0.values.data(),
                                     dim, cached * dim),
                       IsOk());
           cache->Commit();
-          const Input q = Random({1, kv_heads * group, rows, dim}, 162),
-                      k = Random({1, kv_heads, rows, dim}, 163),
-                      v = Random({1, kv_heads, rows, dim}, 164);
+          const Input q = RandomFloats({1, kv_heads * group, rows, dim}, 162),
+                      k = RandomFloats({1, kv_heads, rows, dim}, 163),
+                      v = RandomFloats({1, kv_heads, rows, dim}, 164);
           AttentionArgs args;
           args.query = q.view();
           args.key = k.view();
@@ -796,16 +787,17 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
         // The same rows in two caches: one steps under FAST, the other EXACT.
         auto cache = NewCache(kv_heads, dim, dim, DType::kBFloat16);
         auto twin = NewCache(kv_heads, dim, dim, DType::kBFloat16);
-        const Input k0 = Random({1, kv_heads, keys, dim}, 150),
-                    v0 = Random({1, kv_heads, keys, dim}, 151);
+        const Input k0 = RandomFloats({1, kv_heads, keys, dim}, 150),
+                    v0 = RandomFloats({1, kv_heads, keys, dim}, 151);
         AttentionArgs args;
         args.query = k0.view();
         args.key = k0.view();
         args.value = v0.view();
         ASSERT_THAT(Step(args, {cache.get()}), IsOk());
         ASSERT_THAT(Step(args, {twin.get()}), IsOk());
-        const Input q = Random({1, kv_heads * group, 1, dim}, 152),
-                    k = Random({1, kv_heads, 1, dim}, 153), v = Random({1, kv_heads, 1, dim}, 154);
+        const Input q = RandomFloats({1, kv_heads * group, 1, dim}, 152),
+                    k = RandomFloats({1, kv_heads, 1, dim}, 153),
+                    v = RandomFloats({1, kv_heads, 1, dim}, 154);
         args.query = q.view();
         args.key = k.view();
         args.value = v.view();
@@ -865,8 +857,8 @@ TEST_P(SessionTest, FastTileMultipliesMatchTheDotProducts) {
     SCOPED_TRACE(absl::StrCat("group ", c.group, " query_len ", c.query_len, " Dk ", c.key_dim,
                               " Dv ", c.value_dim));
     const int64_t kv_heads = 2, cached = 300;  // 300 + query_len rows: an odd last block
-    const Input k0 = Random({1, kv_heads, cached, c.key_dim}, 210),
-                v0 = Random({1, kv_heads, cached, c.value_dim}, 211);
+    const Input k0 = RandomFloats({1, kv_heads, cached, c.key_dim}, 210),
+                v0 = RandomFloats({1, kv_heads, cached, c.value_dim}, 211);
     // The same rows in two caches: one steps with dot products, one with tiles.
     auto dot_cache = NewCache(kv_heads, c.key_dim, c.value_dim, DType::kBFloat16);
     auto tile_cache = NewCache(kv_heads, c.key_dim, c.value_dim, DType::kBFloat16);
@@ -876,9 +868,9 @@ TEST_P(SessionTest, FastTileMultipliesMatchTheDotProducts) {
                   IsOk());
       cache->Commit();
     }
-    const Input q = Random({1, kv_heads * c.group, c.query_len, c.key_dim}, 212),
-                k = Random({1, kv_heads, c.query_len, c.key_dim}, 213),
-                v = Random({1, kv_heads, c.query_len, c.value_dim}, 214);
+    const Input q = RandomFloats({1, kv_heads * c.group, c.query_len, c.key_dim}, 212),
+                k = RandomFloats({1, kv_heads, c.query_len, c.key_dim}, 213),
+                v = RandomFloats({1, kv_heads, c.query_len, c.value_dim}, 214);
     AttentionArgs args;
     args.query = q.view();
     args.key = k.view();
@@ -929,7 +921,8 @@ TEST_P(SessionTest, NonFiniteCachedRowsMatchTheStatelessCall) {
     SCOPED_TRACE(absl::StrCat(DTypeName(dtype), fast ? " FAST" : ""));
     const int64_t group = fast ? 4 : 2;
     auto cache = NewCache(kv_heads, dim, dim, dtype);
-    Input k0 = Random({1, kv_heads, keys, dim}, 130), v0 = Random({1, kv_heads, keys, dim}, 131);
+    Input k0 = RandomFloats({1, kv_heads, keys, dim}, 130),
+          v0 = RandomFloats({1, kv_heads, keys, dim}, 131);
     const float inf = std::numeric_limits<float>::infinity();
     // Head 0: every element of key 70 is -inf, of key 200 (another block)
     // -inf; head 1: key 5 is +inf in every element; head 2: value 150 NaN.
@@ -948,9 +941,10 @@ TEST_P(SessionTest, NonFiniteCachedRowsMatchTheStatelessCall) {
     // queries there.
     ASSERT_THAT(Step(args, {cache.get()}), IsOk());
     // Positive queries: q . k is -inf for head 0's -inf keys, +inf for head 1's.
-    Input q = Random({1, kv_heads * group, 1, dim}, 132);
+    Input q = RandomFloats({1, kv_heads * group, 1, dim}, 132);
     for (float& x : q.values) x = std::abs(x) + 0.1f;
-    const Input k = Random({1, kv_heads, 1, dim}, 133), v = Random({1, kv_heads, 1, dim}, 134);
+    const Input k = RandomFloats({1, kv_heads, 1, dim}, 133),
+                v = RandomFloats({1, kv_heads, 1, dim}, 134);
     args.query = q.view();
     args.key = k.view();
     args.value = v.view();
@@ -981,8 +975,9 @@ TEST_P(SessionTest, OtherScoresAndWeightsMatch) {
   for (ScoreKind kind : {ScoreKind::kGaussian, ScoreKind::kCosine, ScoreKind::kDot,
                          ScoreKind::kNegEuclidean}) {
     auto cache = NewCache(1, 8, 4);
-    const Input k0 = Random({1, 1, 20, 8}, 51), v0 = Random({1, 1, 20, 4}, 52);
-    const Input q = Random({1, 1, 1, 8}, 53), k = Random({1, 1, 1, 8}, 54), v = Random({1, 1, 1, 4}, 55);
+    const Input k0 = RandomFloats({1, 1, 20, 8}, 51), v0 = RandomFloats({1, 1, 20, 4}, 52);
+    const Input q = RandomFloats({1, 1, 1, 8}, 53), k = RandomFloats({1, 1, 1, 8}, 54),
+                v = RandomFloats({1, 1, 1, 4}, 55);
     AttentionArgs args;
     args.query = k0.view();
     args.key = k0.view();
@@ -1009,13 +1004,13 @@ TEST_P(SessionTest, OtherScoresAndWeightsMatch) {
 
 TEST_P(SessionTest, ReadOnlyAttendsWithoutAppending) {
   auto cache = NewCache(2, 4, 4);
-  const Input x = Random({1, 30, 8}, 61);
+  const Input x = RandomFloats({1, 30, 8}, 61);
   AttentionArgs args;
   args.query = x.view();
   args.num_heads = 2;
   ASSERT_THAT(Step(args, {cache.get()}).status(), IsOk());
   const int64_t bytes = cache->bytes();
-  const Input q = Random({1, 5, 8}, 62);
+  const Input q = RandomFloats({1, 5, 8}, 62);
   AttentionArgs read;
   read.query = q.view();
   read.num_heads = 2;
@@ -1048,7 +1043,7 @@ TEST_P(SessionTest, LayersCacheTheirProjections) {
   StateDict weights;
   uint32_t seed = 70;
   for (const auto& [key, shape] : MultiheadAttention::ExpectedWeights(plain_config)) {
-    const Input w = Random(shape, seed++);
+    const Input w = RandomFloats(shape, seed++);
     weights[key] = Tensor{shape, FloatBuffer(w.values.begin(), w.values.end())};
   }
   auto plain = std::move(MultiheadAttention::Create(plain_config, std::move(weights))).value();
@@ -1073,9 +1068,9 @@ TEST_P(SessionTest, LayersCacheTheirProjections) {
       Input keys, values;
       for (int64_t rows : p.rows) {
         // Sequence-first, as torch's default.
-        const Input q = Random({rows, p.batch, e}, seed++),
-                    k = Random({rows, p.batch, config.key_dim()}, seed++),
-                    v = Random({rows, p.batch, config.value_dim()}, seed++);
+        const Input q = RandomFloats({rows, p.batch, e}, seed++),
+                    k = RandomFloats({rows, p.batch, config.key_dim()}, seed++),
+                    v = RandomFloats({rows, p.batch, config.value_dim()}, seed++);
         keys = Concat(keys, k, 0);
         values = Concat(values, v, 0);
         AttentionArgs args;
@@ -1120,14 +1115,14 @@ TEST_P(SessionTest, BatchedSessionCallsGetTheirOwnResults) {
   for (int i = 0; i < 3; ++i) {
     caches.push_back(NewCache(4, 8, 8));
     alone.push_back(NewCache(4, 8, 8));
-    inputs.push_back(Random({1, 40 + i, 32}, 80 + i));
+    inputs.push_back(RandomFloats({1, 40 + i, 32}, 80 + i));
     AttentionArgs args;
     args.query = inputs.back().view();
     args.num_heads = 4;
     ASSERT_THAT(Step(args, {caches[i].get()}).status(), IsOk());
     ASSERT_THAT(Step(args, {alone[i].get()}).status(), IsOk());
   }
-  const Input step = Random({1, 1, 32}, 90), raw = Random({2, 7, 32}, 91);
+  const Input step = RandomFloats({1, 1, 32}, 90), raw = RandomFloats({2, 7, 32}, 91);
   std::vector<AttentionArgs> args(4);
   std::vector<SessionCall> sessions(3);
   std::vector<EngineCall> calls(4);
@@ -1174,13 +1169,13 @@ TEST_P(SessionTest, ALongSessionsStepIsTheSameAloneBatchedAndOnAnyThreads) {
   std::vector<Input> prefills;
   for (int i = 0; i < kSessions; ++i) {
     caches.push_back(NewCache(2, 32, 32));
-    prefills.push_back(Random({1, 600, 64}, 200 + i));
+    prefills.push_back(RandomFloats({1, 600, 64}, 200 + i));
     AttentionArgs args;
     args.query = prefills.back().view();
     args.num_heads = 2;
     ASSERT_THAT(Step(args, {caches.back().get()}).status(), IsOk());
   }
-  const Input step = Random({1, 1, 64}, 250);
+  const Input step = RandomFloats({1, 1, 64}, 250);
   std::vector<AttentionArgs> args(kSessions);
   std::vector<SessionCall> sessions(kSessions);
   std::vector<EngineCall> calls(kSessions);
@@ -1207,7 +1202,7 @@ TEST_P(SessionTest, ALongSessionsStepIsTheSameAloneBatchedAndOnAnyThreads) {
 
 TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
   auto cache = NewCache(2, 4, 4);
-  const Input x = Random({1, 3, 8}, 100);
+  const Input x = RandomFloats({1, 3, 8}, 100);
   AttentionArgs args;
   args.query = x.view();
   args.num_heads = 2;
@@ -1222,8 +1217,8 @@ TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
   const Input lens{{1}, {1.0f}};
   // A key or value of two batch rows for one session: the second row's rows
   // were dropped (values) before.
-  const Input pair = Random({2, 1, 8}, 102);
-  const Input one = Random({1, 1, 8}, 103);
+  const Input pair = RandomFloats({2, 1, 8}, 102);
+  const Input one = RandomFloats({1, 1, 8}, 103);
   const std::vector<Case> cases = {
       {"key batch", [&](AttentionArgs& a) { a.key = pair.view(); },
        absl::StatusCode::kInvalidArgument, "key: batch 2 does not match query's 1"},
@@ -1246,7 +1241,7 @@ TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
     EXPECT_EQ(cache->length(), 3) << c.name;
     EXPECT_EQ(cache->bytes(), bytes) << c.name;
   }
-  const Input two = Random({2, 1, 8}, 101);
+  const Input two = RandomFloats({2, 1, 8}, 101);
   args.query = two.view();
   EXPECT_THAT(Step(args, {cache.get()}).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -1266,7 +1261,7 @@ TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
 
 TEST_P(SessionTest, CostCountsEveryCachedRow) {
   auto cache = NewCache(1, 64, 64);
-  const Input prefill = Random({1, 1000, 64}, 110), step = Random({1, 1, 64}, 111);
+  const Input prefill = RandomFloats({1, 1000, 64}, 110), step = RandomFloats({1, 1, 64}, 111);
   AttentionArgs args;
   args.query = prefill.view();
   ASSERT_THAT(Step(args, {cache.get()}).status(), IsOk());

@@ -30,6 +30,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/loadtest/known_stats.h"
+#include "tests/run_program.h"
 #include "tests/safetensors_writer.h"
 #include "tests/status_matchers.h"
 
@@ -47,12 +48,8 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using Json = nlohmann::ordered_json;
 
-std::string ReadWholeFile(const std::string& path) {
-  std::ifstream in(path);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using testing::Outcome;
+using testing::ReadWholeFile;
 
 // The page's embedded data block, parsed ("runs": [{label, error, report}]).
 Json DataBlock(const std::string& html) {
@@ -282,18 +279,8 @@ TEST(HtmlReportTest, DataBlockKeepsScriptEndTagsInStrings) {
 
 // --- real runs ----------------------------------------------------------------
 
-struct Outcome {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
 Outcome RunProgram(const std::string& program, const std::string& args, const std::string& dir) {
-  const std::string command =
-      absl::StrCat("timeout -k 5 120 ", program, " ", args, " >", dir, "/out 2>", dir, "/err");
-  const int status = std::system(command.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, ReadWholeFile(dir + "/out"),
-          ReadWholeFile(dir + "/err")};
+  return testing::RunCommand(absl::StrCat("timeout -k 5 120 ", program, " ", args), dir);
 }
 
 // The real attention_server on 127.0.0.1 (port 0), for the suite; it stops

@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/client/fake_server.h"
+#include "tests/run_program.h"
 #include "tests/safetensors_writer.h"
 #include "tests/server/test_server.h"
 
@@ -38,22 +39,12 @@ using ::attention::testing::MakeTempDir;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-std::string ReadWholeFile(const std::string& path) {
-  std::ifstream in(path);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using testing::Outcome;
+using testing::ReadWholeFile;
 
 nlohmann::json ReadJson(const std::string& path) {
   return nlohmann::json::parse(ReadWholeFile(path), nullptr, /*allow_exceptions=*/false);
 }
-
-struct Outcome {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
 
 // --- against the real server ------------------------------------------------
 
@@ -305,14 +296,7 @@ constexpr char kEnvironment[] = "";
 // Runs attention_loadtest with `args` (shell words, quoted as needed).
 Outcome RunBinary(const std::string& args) {
   const std::string dir = MakeTempDir("binary");
-  const std::string command = absl::StrCat(kEnvironment, ATTENTION_LOADTEST_BIN, " ", args, " >",
-                                           dir, "/out 2>", dir, "/err");
-  Outcome outcome;
-  const int status = std::system(command.c_str());
-  outcome.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  outcome.out = ReadWholeFile(dir + "/out");
-  outcome.err = ReadWholeFile(dir + "/err");
-  return outcome;
+  return testing::RunCommand(absl::StrCat(kEnvironment, ATTENTION_LOADTEST_BIN, " ", args), dir);
 }
 
 class LoadtestBinaryTest : public ::testing::Test {

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/client/fake_server.h"
+#include "tests/run_program.h"
 #include "tests/safetensors_writer.h"
 
 namespace attention::loadtest {
@@ -171,12 +172,7 @@ TEST_F(SessionLoadTest, RejectsOptionsOutOfRange) {
 
 // --- RunLoadtest with --sessions ---------------------------------------------
 
-std::string ReadWholeFile(const std::string& path) {
-  std::ifstream in(path);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using testing::ReadWholeFile;
 
 class SessionLoadtestTest : public ::testing::Test {
  protected:

@@ -46,21 +46,11 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using Change = std::function<void(v1::AttendRequest&)>;
 
-constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 constexpr absl::StatusCode kExhausted = absl::StatusCode::kResourceExhausted;
 constexpr int64_t kMaxTensorElements = 4096;
 constexpr int64_t kMaxScoreElements = 65536;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// query [2, 3, 4], key [2, 5, 4], value [2, 5, 6]: B = 2, L = 3, S = 5, E = 4, Ev = 6.
-v1::AttendRequest ValidRequest() {
-  v1::AttendRequest r;
-  *r.mutable_query() = Ramp({2, 3, 4});
-  *r.mutable_key() = Ramp({2, 5, 4});
-  *r.mutable_value() = Ramp({2, 5, 6});
-  return r;
-}
 
 // A call of the demo model (embed_dim 64): query [1, 3, 64], self-attention.
 v1::AttendRequest ModelRequest() {

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/attention_client.h"
 #include "client/tensors.h"
@@ -75,6 +76,19 @@ inline v1::Tensor Ramp(const std::vector<int64_t>& shape) {
   for (size_t i = 0; i < values.size(); ++i) values[i] = 0.1f * static_cast<float>(i + 1);
   return *client::MakeFloatTensor(shape, values);
 }
+
+// A valid raw call: query [2, 3, 4], key [2, 5, 4], value [2, 5, 6]
+// (B = 2, L = 3, S = 5, E = 4, Ev = 6).
+inline v1::AttendRequest ValidRequest() {
+  v1::AttendRequest r;
+  *r.mutable_query() = Ramp({2, 3, 4});
+  *r.mutable_key() = Ramp({2, 5, 4});
+  *r.mutable_value() = Ramp({2, 5, 6});
+  return r;
+}
+
+// What the server answers a request it rejects.
+inline constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 
 // A wire tensor with `dtype`, `shape` and raw `data`, unchecked.
 inline v1::Tensor RawTensor(v1::Tensor::DType dtype, const std::vector<int64_t>& shape,

@@ -62,7 +62,7 @@ leaf client "attention test client" ca 3 client_ext
 leaf stranger "attention stranger" other_ca 4 client_ext
 )";
 
-absl::Status WriteFile(const std::string& path, const std::string& text) {
+absl::Status WriteText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
   out << text;
   if (!out.flush()) return absl::InternalError(absl::StrCat("cannot write ", path));
@@ -86,8 +86,8 @@ absl::StatusOr<std::unique_ptr<TlsCerts>> TlsCerts::Generate() {
     return absl::InternalError(absl::StrCat("mkdtemp ", pattern, " failed"));
   }
   std::unique_ptr<TlsCerts> certs(new TlsCerts(buffer.data()));
-  if (absl::Status s = WriteFile(certs->Path("openssl.cnf"), kConfig); !s.ok()) return s;
-  if (absl::Status s = WriteFile(certs->Path("make_certs.sh"), kScript); !s.ok()) return s;
+  if (absl::Status s = WriteText(certs->Path("openssl.cnf"), kConfig); !s.ok()) return s;
+  if (absl::Status s = WriteText(certs->Path("make_certs.sh"), kScript); !s.ok()) return s;
   const std::string command =
       absl::StrCat("cd '", certs->dir(), "' && sh make_certs.sh > openssl.log 2>&1");
   if (std::system(command.c_str()) != 0) {

@@ -20,17 +20,6 @@ namespace {
 using ::testing::HasSubstr;
 using Change = std::function<void(v1::AttendRequest&)>;
 
-constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
-
-// query [2, 3, 4], key [2, 5, 4], value [2, 5, 6]: B = 2, L = 3, S = 5, E = 4, Ev = 6.
-v1::AttendRequest ValidRequest() {
-  v1::AttendRequest r;
-  *r.mutable_query() = Ramp({2, 3, 4});
-  *r.mutable_key() = Ramp({2, 5, 4});
-  *r.mutable_value() = Ramp({2, 5, 6});
-  return r;
-}
-
 // The status of ValidRequest() after `change`, sent through `client`.
 absl::Status AttendWith(client::AttentionClient& client, const Change& change) {
   v1::AttendRequest r = ValidRequest();
