@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +24,7 @@
 #include "server/convert.h"
 #include "server/response_encoder.h"
 #include "tests/golden_case.h"
+#include "tests/random_tensor.h"
 #include "tests/status_matchers.h"
 
 extern "C" void* __libc_malloc(size_t size);  // glibc's own
@@ -58,11 +58,7 @@ class FailLargeAllocations {
 };
 
 std::vector<float> Random(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = dist(rng);
-  return v;
+  return testing::RandomFloats({n}, seed).values;
 }
 
 TensorView View(const std::vector<float>& v, std::vector<int64_t> shape) {

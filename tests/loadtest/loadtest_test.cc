@@ -3,8 +3,6 @@
 
 #include "client/loadtest/loadtest.h"
 
-#include <sys/wait.h>
-
 #include <cstdio>
 #include <fstream>
 #include <memory>

@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <fstream>
 #include <functional>
 #include <sstream>
 #include <string>

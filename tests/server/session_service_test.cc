@@ -2,11 +2,10 @@
 // stateless call over every row sent so far; every error names the session
 // and leaves every session as it was; limits, eviction, expiry, concurrency.
 
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,9 +17,10 @@
 #include "gmock/gmock.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
-#include "server/metrics.h"
 #include "gtest/gtest.h"
+#include "server/metrics.h"
 #include "tests/golden_case.h"
+#include "tests/random_tensor.h"
 #include "tests/safetensors_writer.h"
 #include "tests/server/test_server.h"
 #include "tests/status_matchers.h"
@@ -31,13 +31,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-std::vector<float> RandomValues(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+std::vector<float> RandomValues(int64_t n, uint32_t seed) { return RandomFloats({n}, seed).values; }
 
 // Rows of one sequence, [1, S, E] batch-first, grown as a decoder sends them.
 struct Rows {

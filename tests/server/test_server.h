@@ -87,7 +87,7 @@ inline v1::AttendRequest ValidRequest() {
   return r;
 }
 
-// What the server answers a request it rejects.
+// The code of a request the server rejects as malformed or out of its contract.
 inline constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 
 // A wire tensor with `dtype`, `shape` and raw `data`, unchecked.
