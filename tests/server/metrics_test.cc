@@ -1,5 +1,6 @@
 #include "server/metrics.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -228,7 +229,13 @@ TEST(MetricsTest, PooledBytesShowFreedEngineOutputBlocks) {
 // shows them; a new block of that size comes from the pool.
 TEST(MetricsTest, SessionPooledBytesShowFreedCacheBlocks) {
   constexpr size_t kBytes = 40000;
+  // The pool is the process's: blocks that earlier tests' sessions freed
+  // (up to twice kBytes) would serve this allocation. With no idle time
+  // allowed, the allocation first frees them all, and its block is new.
+  const std::chrono::nanoseconds previous = SetOutputPoolIdleLimit(std::chrono::nanoseconds(0));
   void* block = AllocateSessionBlock(kBytes);
+  SetOutputPoolIdleLimit(previous);
+  EXPECT_EQ(PooledSessionBlockBytes(), 0u);
   ASSERT_NE(block, nullptr);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(block) % 64, 0u);
   const size_t before = PooledSessionBlockBytes();
