@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -142,13 +141,10 @@ void SessionStore::Acquire(const std::vector<std::string>& ids, Start start) {
     absl::MutexLock lock(&mu_);
     // Behind a waiter for any of the same ids: FIFO per session.
     bool behind = false;
-    for (const Waiter& w : waiters_) {
-      for (const std::string& id : ids) {
-        behind |= std::find(w.ids.begin(), w.ids.end(), id) != w.ids.end();
-      }
-    }
+    for (const std::string& id : ids) behind |= lines_.contains(id);
     if (behind || !TryTakeLocked(ids)) {
-      waiters_.push_back({ids, std::move(start)});
+      auto waiter = std::make_shared<Waiter>(Waiter{ids, std::move(start)});
+      for (const std::string& id : ids) lines_[id].push_back(waiter);
       return;
     }
   }
@@ -159,20 +155,26 @@ std::vector<SessionStore::Start> SessionStore::ReleaseLocked(
     const std::vector<std::string>& ids) {
   for (const std::string& id : ids) held_.erase(id);
   std::vector<Start> ready;
-  // In arrival order; a waiter blocked on an id keeps later waiters for
-  // that id behind it.
-  absl::flat_hash_set<std::string> blocked;
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
+  // A waiter starts once it is first in the line of each of its ids and
+  // none of them is held. Only the first in a released id's line can have
+  // become so: one that starts holds its ids, so the next in those lines
+  // waits on. The cost is the released ids', whatever else waits.
+  for (const std::string& id : ids) {
+    auto line = lines_.find(id);
+    if (line == lines_.end()) continue;
+    const std::shared_ptr<Waiter> first = line->second.front();
     bool free = true;
-    for (const std::string& id : it->ids) free &= !held_.contains(id) && !blocked.contains(id);
-    if (free) {
-      for (const std::string& id : it->ids) held_.insert(id);
-      ready.push_back(std::move(it->start));
-      it = waiters_.erase(it);
-    } else {
-      for (const std::string& id : it->ids) blocked.insert(id);
-      ++it;
+    for (const std::string& other : first->ids) {
+      free &= !held_.contains(other) && lines_.find(other)->second.front() == first;
     }
+    if (!free) continue;
+    for (const std::string& other : first->ids) {
+      auto other_line = lines_.find(other);
+      other_line->second.pop_front();
+      if (other_line->second.empty()) lines_.erase(other_line);
+      held_.insert(other);
+    }
+    ready.push_back(std::move(first->start));
   }
   return ready;
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -177,7 +178,9 @@ class SessionStore {
   mutable absl::Mutex mu_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> held_ ABSL_GUARDED_BY(mu_);
-  std::deque<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  // Per id, the requests waiting for it, in arrival order (a request for
+  // several ids waits in each of their lines); no empty lines.
+  absl::flat_hash_map<std::string, std::deque<std::shared_ptr<Waiter>>> lines_ ABSL_GUARDED_BY(mu_);
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // caches' blocks
   int64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // growth of requests computing
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -124,6 +124,36 @@ TEST(SessionStoreTest, RequestsOnOtherSessionsDoNotWait) {
   EXPECT_THAT(started, ElementsAre("ab", "c", "b", "ca"));
 }
 
+// A request for several ids waits in each of their lines: it starts when it
+// is first in all of them, and a later request for any of its ids waits
+// behind it even while that id is free.
+TEST(SessionStoreTest, AWaiterForSeveralIdsKeepsItsPlaceInEachLine) {
+  SessionStore store({int64_t{1} << 20, absl::InfiniteDuration()}, nullptr);
+  std::vector<std::string> started;
+  store.Acquire({"a"}, [&](bool) { started.push_back("a"); });
+  store.Acquire({"b"}, [&](bool) { started.push_back("b"); });
+  store.Acquire({"b"}, [&](bool) { started.push_back("b2"); });
+  store.Acquire({"a", "b"}, [&](bool) { started.push_back("ab"); });
+  store.Acquire({"a"}, [&](bool) { started.push_back("a2"); });
+  store.Acquire({"c"}, [&](bool) { started.push_back("c"); });
+  EXPECT_THAT(started, ElementsAre("a", "b", "c"));
+  store.Release({"a"});  // "ab" is first for a, but b is held
+  EXPECT_THAT(started, ElementsAre("a", "b", "c"));
+  store.Release({"b"});  // "b2" was first in b's line
+  EXPECT_THAT(started, ElementsAre("a", "b", "c", "b2"));
+  store.Release({"b"});
+  EXPECT_THAT(started, ElementsAre("a", "b", "c", "b2", "ab"));
+  store.Release({"a", "b"});
+  EXPECT_THAT(started, ElementsAre("a", "b", "c", "b2", "ab", "a2"));
+  // Every line is empty again: a new request starts at once.
+  store.Release({"a"});
+  store.Acquire({"a", "b"}, [&](bool waited) {
+    EXPECT_FALSE(waited);
+    started.push_back("ab2");
+  });
+  EXPECT_EQ(started.back(), "ab2");
+}
+
 TEST(SessionStoreTest, FailedRequestsChangeNothingAndIdleSessionsExpire) {
   absl::Time now = absl::FromUnixSeconds(1000);
   SessionStore store({int64_t{1} << 20, absl::Seconds(10)}, nullptr, [&] { return now; });
