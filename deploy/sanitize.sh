@@ -4,10 +4,11 @@
 #   asan: builds everything (benchmarks aside) with ASan and UBSan
 #         (ATTENTION_SANITIZE=address) into build-asan8/ and runs the whole
 #         test suite with ctest.
-#   tsan: builds server_test and engine_test with TSan
+#   tsan: builds server_test, engine_test and client_test with TSan
 #         (ATTENTION_SANITIZE=thread) into build-tsan/ and runs every server
-#         test (scheduler, streams, service, drain, hostile input, ...) and the
-#         engine's batching and concurrency tests.
+#         test (scheduler, streams, service, drain, hostile input, ...), the
+#         engine's batching and concurrency tests, and every client library
+#         test (streams, session helpers, retries).
 #
 # Fails when a test fails and on any sanitizer report, including one from a
 # process whose exit code a test does not look at (the smoke test's server, the
@@ -54,7 +55,7 @@ if [[ $mode == asan ]]; then
     status=1
   fi
 else
-  cmake --build "$build" -j2 --target server_test engine_test
+  cmake --build "$build" -j2 --target server_test engine_test client_test
   # tests/tsan_absl_sync.cc sets the other options (halt_on_error, the
   # suppressions); OMP_THREAD_LIMIT=1: see CMakeLists.txt.
   export TSAN_OPTIONS=log_path=$reports/tsan
@@ -69,6 +70,7 @@ else
     || status=$?
   "$build/engine_test" --gtest_brief=1 \
     --gtest_filter='*BatchTest.*:EngineConcurrencyTest.*' || status=$?
+  "$build/client_test" --gtest_brief=1 || status=$?
 fi
 
 found=$(grep -l -E "ERROR: [A-Za-z]+Sanitizer|runtime error:|WARNING: ThreadSanitizer" \
