@@ -308,6 +308,10 @@ class HtmlReportRunTest : public ::testing::Test {
     // `timeout` passes SIGTERM on to the server.
     if (server_pid_ > 0) kill(server_pid_, SIGTERM);
     delete dir_;
+    // A repeated run (--gtest_repeat) starts a new server on a new port.
+    dir_ = nullptr;
+    port_ = 0;
+    server_pid_ = 0;
   }
 
   // attention_loadtest against the server.
