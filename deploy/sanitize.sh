@@ -4,11 +4,12 @@
 #   asan: builds everything (benchmarks aside) with ASan and UBSan
 #         (ATTENTION_SANITIZE=address) into build-asan8/ and runs the whole
 #         test suite with ctest.
-#   tsan: builds server_test, engine_test and client_test with TSan
-#         (ATTENTION_SANITIZE=thread) into build-tsan/ and runs every server
-#         test (scheduler, streams, service, drain, hostile input, ...), the
-#         engine's batching and concurrency tests, and every client library
-#         test (streams, session helpers, retries).
+#   tsan: builds server_test, engine_test, client_test and loadtest_test
+#         with TSan (ATTENTION_SANITIZE=thread) into build-tsan/ and runs every
+#         server test (scheduler, streams, service, drain, hostile input, ...),
+#         the engine's batching and concurrency tests, every client library
+#         test (streams, session helpers, retries) and the load tester's
+#         untimed tests, which also run the real server and load tester.
 #
 # Fails when a test fails and on any sanitizer report, including one from a
 # process whose exit code a test does not look at (the smoke test's server, the
@@ -55,7 +56,7 @@ if [[ $mode == asan ]]; then
     status=1
   fi
 else
-  cmake --build "$build" -j2 --target server_test engine_test client_test
+  cmake --build "$build" -j2 --target server_test engine_test client_test loadtest_test
   # tests/tsan_absl_sync.cc sets the other options (halt_on_error, the
   # suppressions); OMP_THREAD_LIMIT=1: see CMakeLists.txt.
   export TSAN_OPTIONS=log_path=$reports/tsan
@@ -71,6 +72,11 @@ else
   "$build/engine_test" --gtest_brief=1 \
     --gtest_filter='*BatchTest.*:EngineConcurrencyTest.*' || status=$?
   "$build/client_test" --gtest_brief=1 || status=$?
+  # Not the load generator's timed tests (the ALONE ones of loadtest_test in
+  # CMakeLists.txt): instrumented, they would time TSan.
+  "$build/loadtest_test" --gtest_brief=1 \
+    --gtest_filter='-Transports/RunnerTransportTest.OpenLoop*:Transports/RunnerTransportTest.AStall*' \
+    || status=$?
 fi
 
 found=$(grep -l -E "ERROR: [A-Za-z]+Sanitizer|runtime error:|WARNING: ThreadSanitizer" \

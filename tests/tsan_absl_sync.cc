@@ -1,4 +1,5 @@
-// Linked into the test executables of the ATTENTION_SANITIZE=thread build only.
+// Linked into the executables (tests, and the programs tests start) of the
+// ATTENTION_SANITIZE=thread build only: CMakeLists.txt, attention_tsan_absl_sync.
 //
 // ThreadSanitizer sees a lock only when the code taking it is instrumented.
 // Debian's Abseil is not, so to TSan every absl::Mutex (ours, and gRPC's,
@@ -11,12 +12,15 @@
 // tells TSan what it did with the __tsan_mutex_* annotations Abseil makes
 // when it is built with TSan.
 //
-// It also sets TSan's default options (__tsan_default_options below).
+// It does the same for the gRPC core functions that hand a batch's tag from
+// one thread to another (below), and sets TSan's default options
+// (__tsan_default_options).
 //
 // Assumed, as everywhere in this project: Await and CondVar::Wait are called
 // with the mutex held in writer mode.
 
 #include <dlfcn.h>
+#include <grpc/grpc.h>
 #include <sanitizer/tsan_interface.h>
 
 #include <cstdio>
@@ -141,6 +145,87 @@ extern "C" const char* __tsan_default_options() {
   return "halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 "
          "history_size=7 suppressions=" ATTENTION_TSAN_SUPPRESSIONS;
 }
+
+// gRPC's completion queues. A batch of operations started on a call completes
+// on whichever thread takes its tag from the queue (for the callback API, a
+// thread of gRPC's that then runs the tag's callback). What the starting
+// thread did before grpc_call_start_batch (setting up the tag's callback, the
+// messages to send) happens before that, ordered inside the core, which TSan
+// cannot see. libgrpc++ calls these functions through the dynamic linker, so
+// the definitions below take the calls, as for Abseil.
+// The tag is the address TSan orders on: released when a batch (or a server's
+// request for a new call) is started with it, acquired when the queue hands
+// it out.
+
+namespace {
+
+template <typename F>
+F RealC(const char* name) {
+  void* f = dlsym(RTLD_NEXT, name);
+  if (f == nullptr) {
+    std::fprintf(stderr, "tsan_absl_sync: %s not found in libgrpc\n", name);
+    std::abort();
+  }
+  return reinterpret_cast<F>(f);
+}
+
+grpc_event Handed(grpc_event event) {
+  if (event.type == GRPC_OP_COMPLETE && event.tag != nullptr) __tsan_acquire(event.tag);
+  return event;
+}
+
+}  // namespace
+
+extern "C" {
+
+grpc_call_error grpc_call_start_batch(grpc_call* call, const grpc_op* ops, size_t nops, void* tag,
+                                      void* reserved) {
+  static const auto real = RealC<decltype(&grpc_call_start_batch)>("grpc_call_start_batch");
+  if (tag != nullptr) __tsan_release(tag);
+  return real(call, ops, nops, tag, reserved);
+}
+
+grpc_call_error grpc_server_request_call(grpc_server* server, grpc_call** call,
+                                         grpc_call_details* details,
+                                         grpc_metadata_array* request_metadata,
+                                         grpc_completion_queue* cq_bound_to_call,
+                                         grpc_completion_queue* cq_for_notification,
+                                         void* tag_new) {
+  static const auto real = RealC<decltype(&grpc_server_request_call)>("grpc_server_request_call");
+  if (tag_new != nullptr) __tsan_release(tag_new);
+  return real(server, call, details, request_metadata, cq_bound_to_call, cq_for_notification,
+              tag_new);
+}
+
+grpc_call_error grpc_server_request_registered_call(grpc_server* server, void* registered_method,
+                                                    grpc_call** call, gpr_timespec* deadline,
+                                                    grpc_metadata_array* request_metadata,
+                                                    grpc_byte_buffer** optional_payload,
+                                                    grpc_completion_queue* cq_bound_to_call,
+                                                    grpc_completion_queue* cq_for_notification,
+                                                    void* tag_new) {
+  static const auto real =
+      RealC<decltype(&grpc_server_request_registered_call)>("grpc_server_request_registered_call");
+  if (tag_new != nullptr) __tsan_release(tag_new);
+  return real(server, registered_method, call, deadline, request_metadata, optional_payload,
+              cq_bound_to_call, cq_for_notification, tag_new);
+}
+
+grpc_event grpc_completion_queue_next(grpc_completion_queue* cq, gpr_timespec deadline,
+                                      void* reserved) {
+  static const auto real =
+      RealC<decltype(&grpc_completion_queue_next)>("grpc_completion_queue_next");
+  return Handed(real(cq, deadline, reserved));
+}
+
+grpc_event grpc_completion_queue_pluck(grpc_completion_queue* cq, void* tag, gpr_timespec deadline,
+                                       void* reserved) {
+  static const auto real =
+      RealC<decltype(&grpc_completion_queue_pluck)>("grpc_completion_queue_pluck");
+  return Handed(real(cq, tag, deadline, reserved));
+}
+
+}  // extern "C"
 
 namespace absl {
 ABSL_NAMESPACE_BEGIN
