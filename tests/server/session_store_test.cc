@@ -3,14 +3,16 @@
 // sweeper, eviction order, the numbers when nothing can be evicted, and that
 // a failed request changes nothing: no eviction, no use.
 
+#include "server/session_store.h"
+
+#include <atomic>
 #include <memory>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/session_store.h"
 #include "tests/status_matchers.h"
 
 namespace attention::server {
@@ -286,10 +288,18 @@ TEST(SessionStoreTest, ClosingAnExpiredSessionFindsNothing) {
 }
 
 TEST(SessionStoreTest, TheSweeperEndsExpiredSessionsWithoutARequest) {
-  SessionStore store({int64_t{1} << 20, absl::Milliseconds(50), absl::Milliseconds(10)}, nullptr);
-  absl::Time now = absl::Now();
+  // The store's clock is the test's, read by the sweeper's thread too: the
+  // session expires when the test moves it on, not when a slow machine has
+  // taken longer than the idle limit to get to the first check.
+  std::atomic<int64_t> clock_ns{absl::ToUnixNanos(absl::FromUnixSeconds(1000))};
+  SessionStore store({int64_t{1} << 20, absl::Milliseconds(50), absl::Milliseconds(10)}, nullptr,
+                     [&] { return absl::FromUnixNanos(clock_ns.load()); });
+  absl::Time now = absl::FromUnixNanos(clock_ns.load());
   CreateIdle(store, now, {"s"});
   ASSERT_GT(store.bytes(), 0);
+  absl::SleepFor(absl::Milliseconds(30));  // three sweeps, before the limit
+  ASSERT_EQ(store.open(), 1);
+  clock_ns += absl::ToInt64Nanoseconds(absl::Milliseconds(51));
   // Bounded wait: no request touches the store meanwhile.
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
   while (store.open() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
