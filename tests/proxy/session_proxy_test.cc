@@ -18,6 +18,8 @@
 //      an AttendStream of its own. (A step that reaches it as gRPC shuts
 //      down is CANCELLED, rarely: sent again, as UNAVAILABLE is.) With
 //      --shutdown_delay_seconds, no step is refused at all.
+//   5. A replica that misses one health check (stopped until HAProxy logs
+//      the failure) stays in the ring: none of its sessions moves.
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -127,6 +129,10 @@ class Process {
       return false;
     }
     return true;
+  }
+
+  void Signal(int signal) {
+    if (pid_ > 0) kill(pid_, signal);
   }
 
   void Kill() {
@@ -421,6 +427,13 @@ class SessionProxyTest : public ::testing::Test {
     std::printf("outputs: largest difference from the run without the failure: %g\n", worst);
   }
 
+  // The replica that created the most sessions in `run`.
+  static int Busiest(const std::vector<Decoder>& run) {
+    std::vector<int> created(kReplicas);
+    for (int home : Homes(run)) ++created[home];
+    return static_cast<int>(std::max_element(created.begin(), created.end()) - created.begin());
+  }
+
   // A run with `stop` applied to the replica holding the most sessions
   // mid-run: its sessions move and are recreated once each, the others never
   // notice, and the outputs equal `clean`'s.
@@ -429,8 +442,7 @@ class SessionProxyTest : public ::testing::Test {
                      bool stream = false) {
     std::vector<int> created(kReplicas);
     for (int home : Homes(clean)) ++created[home];
-    const int victim =
-        static_cast<int>(std::max_element(created.begin(), created.end()) - created.begin());
+    const int victim = Busiest(clean);
     const std::vector<Decoder> run = Run([&] { stop(replicas_[victim]); }, stream);
     if (HasFailure()) return -1;
     int recreated = 0, retries = 0, cancelled = 0;
@@ -577,6 +589,40 @@ TEST_F(SessionProxyTest, SessionsOfAKilledReplicaAreRecreatedAndAnswerAsBefore) 
 }
 
 TEST_F(SessionProxyTest, ScaleInDrainsAReplicaAndItsSessionsMoveOn) { ExpectScaleIn(false); }
+
+// HAProxy takes a replica out after two failed checks (haproxy.cfg): one
+// slow answer must not move its sessions away and back. The busiest replica
+// is stopped (SIGSTOP) mid-run until HAProxy logs one failed check of it,
+// then continued; its calls meanwhile wait, and every session stays where
+// it was created.
+TEST_F(SessionProxyTest, AReplicaThatMissesOneCheckKeepsItsSessions) {
+  const std::vector<Decoder> clean = Run();
+  ASSERT_FALSE(HasFailure());
+  const int victim = Busiest(clean);
+  const std::string server = absl::StrCat("attention_sessions/", replicas_[victim].name);
+  const std::string failed = absl::StrCat("Health check for server ", server, " failed");
+  bool missed = false;
+  const std::vector<Decoder> run = Run([&] {
+    replicas_[victim].process.Signal(SIGSTOP);
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    while (!missed && absl::Now() < end) {
+      missed = proxy_.Log().find(failed) != std::string::npos;
+      if (!missed) absl::SleepFor(absl::Milliseconds(10));
+    }
+    replicas_[victim].process.Signal(SIGCONT);
+  });
+  ASSERT_FALSE(HasFailure());
+  const std::string log = proxy_.Log();
+  EXPECT_TRUE(missed) << "no failed check of " << server << " in 10 s:\n" << log;
+  EXPECT_EQ(log.find(server + " is DOWN"), std::string::npos) << log;
+  for (int s = 0; s < kSessions; ++s) {
+    const Decoder& d = run[s];
+    EXPECT_EQ(d.session->recreations(), 0) << Id(s);
+    EXPECT_EQ(d.unavailable_retries + d.cancelled_retries, 0) << Id(s);
+    for (const std::string& r : d.replicas) EXPECT_EQ(r, clean[s].replicas.front()) << Id(s);
+  }
+  ExpectSameOutputs(run, clean);
+}
 
 // Replicas that serve on for a while after SIGTERM, NOT_SERVING, before they
 // drain (--shutdown_delay_seconds): HAProxy's check (every 500 ms) takes the
