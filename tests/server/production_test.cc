@@ -259,10 +259,13 @@ absl::StatusOr<std::unique_ptr<TestServer>> StartForDrain() {
   return TestServer::Start(options);
 }
 
-// Waits up to 2 s until the server has exactly one call in flight.
+// Waits up to 10 s until the server has exactly one call in flight (its
+// request sent and parsed: well under a second, but not always under TSan on
+// a loaded machine).
 bool WaitForOneInFlight(const server::Metrics& metrics) {
   auto in_flight = [&] { return ParseMetrics(metrics.RenderPrometheus())["attention_in_flight"]; };
-  for (int i = 0; i < 2000 && in_flight() < 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (in_flight() < 1 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
   return in_flight() == 1;
 }
 
