@@ -37,20 +37,25 @@ namespace {
 #define ATTN_TSAN_STR2(x) #x
 #define ATTN_TSAN_STR(x) ATTN_TSAN_STR2(x)
 
+// The next definition of `name` after this executable's: the library's.
+template <typename F>
+F Next(const std::string& name, const char* library) {
+  void* f = dlsym(RTLD_NEXT, name.c_str());
+  if (f == nullptr) {
+    std::fprintf(stderr, "tsan_absl_sync: %s not found in %s\n", name.c_str(), library);
+    std::abort();
+  }
+  return reinterpret_cast<F>(f);
+}
+
 // The library's definition of the function whose mangled name is
 // "_Z" + `nested` + "4absl<inline namespace>" + `rest`; `nested` is "N", or
 // "NK" for a const member function.
 template <typename F>
 F Real(const char* nested, const char* rest) {
   const std::string ns = ATTN_TSAN_STR(ABSL_OPTION_INLINE_NAMESPACE_NAME);
-  const std::string name =
-      std::string("_Z") + nested + "4absl" + std::to_string(ns.size()) + ns + rest;
-  void* f = dlsym(RTLD_NEXT, name.c_str());
-  if (f == nullptr) {
-    std::fprintf(stderr, "tsan_absl_sync: %s not found in libabsl_synchronization\n", name.c_str());
-    std::abort();
-  }
-  return reinterpret_cast<F>(f);
+  return Next<F>(std::string("_Z") + nested + "4absl" + std::to_string(ns.size()) + ns + rest,
+                 "libabsl_synchronization");
 }
 
 // How many of the functions below are running on this thread. The library's
@@ -159,14 +164,10 @@ extern "C" const char* __tsan_default_options() {
 
 namespace {
 
+// libgrpc's definition of the C function `name`.
 template <typename F>
 F RealC(const char* name) {
-  void* f = dlsym(RTLD_NEXT, name);
-  if (f == nullptr) {
-    std::fprintf(stderr, "tsan_absl_sync: %s not found in libgrpc\n", name);
-    std::abort();
-  }
-  return reinterpret_cast<F>(f);
+  return Next<F>(name, "libgrpc");
 }
 
 grpc_event Handed(grpc_event event) {
