@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "absl/time/time.h"
 #include "client/tensors.h"
 #include "grpc/grpc.h"
+#include "grpcpp/ext/health_check_service_server_builder_option.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/server_context.h"
@@ -379,6 +381,10 @@ FakeAttentionServer::FakeAttentionServer(absl::Duration max_connection_age,
     builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
   }
   builder.RegisterService(attention_.get());
+  // Its own health service, not gRPC's default one as well: in a process
+  // that also ran the real server (which enables the default process-wide),
+  // gRPC would register both and log a duplicate registration per start.
+  builder.SetOption(std::make_unique<grpc::HealthCheckServiceServerBuilderOption>(nullptr));
   builder.RegisterService(health_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
