@@ -186,8 +186,9 @@ absl::Status KvCache::Append(int64_t rows, const float* k, int64_t k_row_stride,
     }
   };
   // A prefill's parts spread over the threads; a step's few rows are not
-  // worth waking them.
-  const bool parallel =
+  // worth waking them. (Unused in the fuzz build, whose Clang compiles the
+  // loop serially: CMakeLists.txt.)
+  [[maybe_unused]] const bool parallel =
       threads > 1 && parts > 1 && rows * kv_heads_ * (key_dim_ + value_dim_) >= (1 << 16);
 #pragma omp parallel for num_threads(parallel ? threads : 1) schedule(static) if (parallel)
   for (int64_t part = 0; part < parts; ++part) write_part(part);

@@ -403,8 +403,9 @@ absl::StatusOr<std::vector<BackendCall>> RowCalls(SessionPlan& plan, int threads
     }
   };
   const int64_t items = s.batch * s.kv_heads;
-  // Small copies are not worth waking the threads.
-  const bool parallel = threads > 1 && items > 1 && copied >= (1 << 16);
+  // Small copies are not worth waking the threads. (Unused in the fuzz
+  // build, whose Clang compiles the loop serially: CMakeLists.txt.)
+  [[maybe_unused]] const bool parallel = threads > 1 && items > 1 && copied >= (1 << 16);
 #pragma omp parallel for num_threads(parallel ? threads : 1) schedule(dynamic, 1) if (parallel)
   for (int64_t item = 0; item < items; ++item) copy(item);
   return calls;
