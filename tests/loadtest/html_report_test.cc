@@ -13,14 +13,19 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <regex>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/loadtest/report.h"
@@ -67,14 +72,38 @@ struct PlottedPoint {
   std::string y;
 };
 
+// The value of attribute `name` at the start of `rest` (` name="value"`), or
+// nullopt; `rest` is left after it.
+std::optional<std::string> TakeAttribute(absl::string_view& rest, absl::string_view name) {
+  const std::string opening = absl::StrCat(" ", name, "=\"");
+  if (!absl::ConsumePrefix(&rest, opening)) return std::nullopt;
+  const size_t end = rest.find('"');
+  if (end == absl::string_view::npos) return std::nullopt;
+  std::string value(rest.substr(0, end));
+  rest.remove_prefix(end + 1);
+  return value;
+}
+
+// Every point the report plots: `<circle class="point" data-run=".."
+// data-series=".." data-x=".." data-y=".."` (or `<rect ...`), in order. (Not
+// std::regex: GCC 12 warns inside its <regex> in the ASan build.)
 std::vector<PlottedPoint> PlottedPoints(const std::string& html) {
-  static const std::regex kPoint(
-      "<(?:circle|rect) class=\"point\" data-run=\"([0-9]+)\" data-series=\"([^\"]*)\" "
-      "data-x=\"([^\"]*)\" data-y=\"([^\"]*)\"");
   std::vector<PlottedPoint> points;
-  for (auto it = std::sregex_iterator(html.begin(), html.end(), kPoint);
-       it != std::sregex_iterator(); ++it) {
-    points.push_back({std::stoi((*it)[1]), (*it)[2], (*it)[3], (*it)[4]});
+  const absl::string_view all(html);
+  for (size_t at = all.find("<"); at != absl::string_view::npos; at = all.find("<", at + 1)) {
+    absl::string_view rest = all.substr(at + 1);
+    if (!absl::ConsumePrefix(&rest, "circle") && !absl::ConsumePrefix(&rest, "rect")) continue;
+    const std::optional<std::string> kind = TakeAttribute(rest, "class");
+    if (kind != "point") continue;
+    const std::optional<std::string> run = TakeAttribute(rest, "data-run");
+    const std::optional<std::string> series = TakeAttribute(rest, "data-series");
+    const std::optional<std::string> x = TakeAttribute(rest, "data-x");
+    const std::optional<std::string> y = TakeAttribute(rest, "data-y");
+    int run_number = 0;
+    if (run && series && x && y && !run->empty() && absl::c_all_of(*run, absl::ascii_isdigit) &&
+        absl::SimpleAtoi(*run, &run_number)) {
+      points.push_back({run_number, *series, *x, *y});
+    }
   }
   return points;
 }
