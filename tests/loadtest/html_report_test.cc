@@ -100,7 +100,8 @@ std::vector<PlottedPoint> PlottedPoints(const std::string& html) {
     const std::optional<std::string> x = TakeAttribute(rest, "data-x");
     const std::optional<std::string> y = TakeAttribute(rest, "data-y");
     int run_number = 0;
-    if (run && series && x && y && !run->empty() && absl::c_all_of(*run, absl::ascii_isdigit) &&
+    // Digits only, as the report writes them (SimpleAtoi alone takes a sign).
+    if (run && series && x && y && absl::c_all_of(*run, absl::ascii_isdigit) &&
         absl::SimpleAtoi(*run, &run_number)) {
       points.push_back({run_number, *series, *x, *y});
     }

@@ -47,7 +47,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -282,10 +281,11 @@ class SessionProxyTest : public ::testing::Test {
       constexpr absl::string_view kMetrics = "metrics on http://127.0.0.1:";
       const absl::string_view all(log);
       if (const size_t at = all.find(kMetrics); at != absl::string_view::npos) {
+        // Up to "/metrics": a line still being written has no port yet.
         const absl::string_view rest = all.substr(at + kMetrics.size());
-        const absl::string_view digits = rest.substr(0, rest.find('/'));
-        if (int port = 0; absl::StartsWith(rest.substr(digits.size()), "/metrics") &&
-                          absl::SimpleAtoi(digits, &port) && port > 0) {
+        const size_t end = rest.find("/metrics");
+        if (int port = 0; end != absl::string_view::npos &&
+                          absl::SimpleAtoi(rest.substr(0, end), &port) && port > 0) {
           r.metrics_port = port;
         }
       }
