@@ -1002,7 +1002,7 @@ struct BlockKernels {
 
 std::atomic<bool> portable_kernels_for_testing{false};
 std::atomic<bool> tiles_allowed{true};
-std::atomic<bool> dot_products_forced{false};
+std::atomic<DotProducts> dot_products_use{DotProducts::kChosen};
 
 // Whether bf16 dot products beat float32 math for FAST's steps on this CPU
 // (without tiles): not on Intel's. There one vdpbf16ps takes as long as four
@@ -1014,10 +1014,23 @@ std::atomic<bool> dot_products_forced{false};
 bool DotProductsFaster() {
 #ifdef ATTN_DECODE_AVX512
   static const bool faster = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
-  return faster || dot_products_forced.load(std::memory_order_relaxed);
+  return faster;
 #else
   return false;
 #endif
+}
+
+// DotProductsFaster, unless a test or a benchmark says otherwise.
+bool UseDotProducts() {
+  switch (dot_products_use.load(std::memory_order_relaxed)) {
+    case DotProducts::kAlways:
+      return true;
+    case DotProducts::kNever:
+      return false;
+    case DotProducts::kChosen:
+      break;
+  }
+  return DotProductsFaster();
 }
 
 BlockKernels KernelsFor(int64_t value_dim, Math math) {
@@ -1074,9 +1087,9 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   const bool bf16_products = cache.dtype() == DType::kBFloat16 && first.fast;
   const bool tile_shape = bf16_products && rows >= kMinTileRows && TilesFit(rows, dk, dv) &&
                           tiles_allowed.load(std::memory_order_relaxed) && TilesUsable();
-  const Math math = cache.dtype() == DType::kFloat32 ? Math::kFloat32
-                    : bf16_products && (tile_shape || DotProductsFaster()) ? Math::kBFloat16Dot
-                                                                           : Math::kBFloat16;
+  const Math math = cache.dtype() == DType::kFloat32                    ? Math::kFloat32
+                    : bf16_products && (tile_shape || UseDotProducts()) ? Math::kBFloat16Dot
+                                                                        : Math::kBFloat16;
   const BlockKernels kernels = KernelsFor(dv, math);
   // Scores of every query row against one block.
   alignas(64) float scores[kMaxDecodeRows * kBlockRows];
@@ -1407,8 +1420,8 @@ void UseDecodeTiles(bool use) { tiles_allowed.store(use, std::memory_order_relax
 
 bool DecodeDotProductsChosen() { return DotProductsFaster(); }
 
-void ForceDecodeDotProducts(bool force) {
-  dot_products_forced.store(force, std::memory_order_relaxed);
+void SetDecodeDotProducts(DotProducts use) {
+  dot_products_use.store(use, std::memory_order_relaxed);
 }
 
 }  // namespace attention::internal

@@ -108,9 +108,11 @@ void UseDecodeTiles(bool use);
 // (avx512_bf16, and not an Intel CPU, where float32 math is the faster) or
 // float32 math.
 bool DecodeDotProductsChosen();
-// Tests and benchmarks: true makes those steps use bf16 dot products on
-// every CPU with avx512_bf16 (false, the default, uses them where chosen).
-void ForceDecodeDotProducts(bool force);
+// Tests and benchmarks: which of the two those steps take. kAlways: bf16
+// dot products on every CPU with avx512_bf16; kNever: float32 math on every
+// CPU; kChosen, the default: what DecodeDotProductsChosen says.
+enum class DotProducts { kChosen, kAlways, kNever };
+void SetDecodeDotProducts(DotProducts use);
 
 }  // namespace attention::internal
 

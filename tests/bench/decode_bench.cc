@@ -612,9 +612,9 @@ int Main(int argc, char** argv) {
   std::printf("medians of the rounds' ratios\n");
   // FAST takes tile multiplies (AMX) where the CPU has them: the same
   // steps as a CPU without them computes them are then shown beside them
-  // ("NO TILES"); where that is float32 math and the CPU has bf16 dot
-  // products, the steps with those too ("BF16 DOT"), which such a CPU
-  // would otherwise have taken.
+  // ("NO TILES"). On a CPU with bf16 dot products, the steps are also shown
+  // with the one of float32 math and dot products that FAST does not take
+  // there ("BF16 DOT" or "FAST F32"): the A/B behind the choice.
 #if defined(__x86_64__) && defined(__GNUC__)
   const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
   if (bf16_dot) {
@@ -629,13 +629,16 @@ int Main(int argc, char** argv) {
 #endif
   struct Variant {
     const char* name;
-    bool tiles, dot;
+    bool tiles;
+    internal::DotProducts dot;
   };
   std::vector<Variant> variants;
   const bool tiles = internal::DecodeTilesAvailable();
   const bool dot_not_taken = bf16_dot && !internal::DecodeDotProductsChosen();
-  if (tiles) variants.push_back({"NO TILES", false, false});
-  if (dot_not_taken) variants.push_back({"BF16 DOT", false, true});
+  const bool f32_not_taken = bf16_dot && internal::DecodeDotProductsChosen();
+  if (tiles) variants.push_back({"NO TILES", false, internal::DotProducts::kChosen});
+  if (dot_not_taken) variants.push_back({"BF16 DOT", false, internal::DotProducts::kAlways});
+  if (f32_not_taken) variants.push_back({"FAST F32", false, internal::DotProducts::kNever});
   if (tiles) {
     std::printf("BF16 FAST: tile multiplies (AMX) where the step has 4 to 16 query rows per "
                 "key/value head;\nNO TILES: the same steps as without them (%s)\n",
@@ -644,6 +647,11 @@ int Main(int argc, char** argv) {
   if (dot_not_taken) {
     std::printf("BF16 DOT: the same steps with bf16 dot products, which FAST does not take "
                 "on this CPU\n");
+  }
+  if (f32_not_taken) {
+    std::printf(
+        "FAST F32: the same steps with float32 math, which FAST does not take "
+        "on this CPU\n");
   }
   std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
@@ -668,10 +676,10 @@ int Main(int argc, char** argv) {
       for (const Variant& v : variants) {
         calls.push_back({[&] {
                            internal::UseDecodeTiles(v.tiles);
-                           internal::ForceDecodeDotProducts(v.dot);
+                           internal::SetDecodeDotProducts(v.dot);
                            bf16.Steps(*engine, true);
                            internal::UseDecodeTiles(true);
-                           internal::ForceDecodeDotProducts(false);
+                           internal::SetDecodeDotProducts(internal::DotProducts::kChosen);
                          },
                          [&] { bf16.Flush(threads); }});
       }

@@ -773,16 +773,23 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
 // 1e-4 and more here) by tile multiplies where the CPU has them and the
 // shape fits (from kMinTileRows query rows per key/value head), else by dot
 // products where the engine chooses them (DecodeDotProductsChosen) or the
-// test forces them, one row included; otherwise float32 math, within FAST's
-// exponentials' error of the same step under EXACT. Odd dims and an odd last
-// block included.
+// test forces them, one row included; otherwise (or where the test forbids
+// them) float32 math, within FAST's exponentials' error of the same step
+// under EXACT. Odd dims and an odd last block included.
 TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
+  using internal::DotProducts;
   const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16");
-  for (bool force_dot : {false, true}) {
-    if (force_dot && !avx512_bf16) continue;
+  for (DotProducts dot : {DotProducts::kChosen, DotProducts::kAlways, DotProducts::kNever}) {
+    if (dot == DotProducts::kAlways && !avx512_bf16) continue;
+    // Forcing either way takes the tiles away: the step is then the one
+    // without them.
+    const bool forced = dot != DotProducts::kChosen;
     for (int64_t dim : {64, 128, 33}) {
       for (int64_t group : {1, 4}) {
-        SCOPED_TRACE(absl::StrCat("D", dim, " group ", group, force_dot ? " dot products" : ""));
+        SCOPED_TRACE(absl::StrCat("D", dim, " group ", group,
+                                  dot == DotProducts::kAlways  ? " dot products"
+                                  : dot == DotProducts::kNever ? " float32 math"
+                                                               : ""));
         const int64_t kv_heads = 2, keys = 600;  // 600 + 1 rows: the last block's 25th row
         // The same rows in two caches: one steps under FAST, the other EXACT.
         auto cache = NewCache(kv_heads, dim, dim, DType::kBFloat16);
@@ -802,11 +809,11 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
         args.key = k.view();
         args.value = v.view();
         args.fast = true;
-        internal::UseDecodeTiles(!force_dot);
-        internal::ForceDecodeDotProducts(force_dot);
+        internal::UseDecodeTiles(!forced);
+        internal::SetDecodeDotProducts(dot);
         absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
         internal::UseDecodeTiles(true);
-        internal::ForceDecodeDotProducts(false);
+        internal::SetDecodeDotProducts(DotProducts::kChosen);
         ASSERT_THAT(got, IsOk());
         AttentionArgs exact = args;
         exact.fast = false;
@@ -820,10 +827,11 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
         absl::StatusOr<AttentionResult> exact_step = Step(exact, {twin.get()});
         ASSERT_THAT(exact_step, IsOk());
         const float from_exact = MaxAbsDifference(g, Values(exact_step->output.data));
-        const bool tiles = !force_dot && internal::DecodeTilesAvailable() && dim % 32 == 0 &&
+        const bool tiles = !forced && internal::DecodeTilesAvailable() && dim % 32 == 0 &&
                            group >= internal::kMinTileRows;
         const bool bf16_products =
-            avx512_bf16 && (tiles || force_dot || internal::DecodeDotProductsChosen());
+            avx512_bf16 && (tiles || dot == DotProducts::kAlways ||
+                            (dot == DotProducts::kChosen && internal::DecodeDotProductsChosen()));
         if (bf16_products) {
           EXPECT_GE(from_exact, 1e-4f) << "bf16 products did not run";
         } else {
@@ -878,12 +886,12 @@ TEST_P(SessionTest, FastTileMultipliesMatchTheDotProducts) {
     args.mask.causal = Causal::kBottomRight;
     args.fast = true;
     // Dot products wherever tiles do not run, in both steps.
-    internal::ForceDecodeDotProducts(true);
+    internal::SetDecodeDotProducts(internal::DotProducts::kAlways);
     internal::UseDecodeTiles(false);
     absl::StatusOr<AttentionResult> dot = Step(args, {dot_cache.get()});
     internal::UseDecodeTiles(true);
     absl::StatusOr<AttentionResult> tile = Step(args, {tile_cache.get()});
-    internal::ForceDecodeDotProducts(false);
+    internal::SetDecodeDotProducts(internal::DotProducts::kChosen);
     ASSERT_THAT(dot, IsOk());
     ASSERT_THAT(tile, IsOk());
     absl::StatusOr<AttentionResult> want =
