@@ -615,14 +615,16 @@ int Main(int argc, char** argv) {
   // ("NO TILES"). On a CPU with bf16 dot products, the steps are also shown
   // with the one of float32 math and dot products that FAST does not take
   // there ("BF16 DOT" or "FAST F32"): the A/B behind the choice.
+  const bool dot_chosen = internal::DecodeDotProductsChosen();
+  const char* chosen_math = dot_chosen ? "bf16 dot products" : "float32 math";
 #if defined(__x86_64__) && defined(__GNUC__)
   const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
   if (bf16_dot) {
     const auto [fma_ns, dot_ns] = FmaAndDotNanoseconds();
-    std::printf("one thread: a 16-lane FMA per %.3f ns, a bf16 dot product (vdpbf16ps) per %.3f ns "
-                "(%.2fx); FAST without tiles takes %s\n",
-                fma_ns, dot_ns, dot_ns / fma_ns,
-                internal::DecodeDotProductsChosen() ? "bf16 dot products" : "float32 math");
+    std::printf(
+        "one thread: a 16-lane FMA per %.3f ns, a bf16 dot product (vdpbf16ps) per %.3f ns "
+        "(%.2fx); FAST without tiles takes %s\n",
+        fma_ns, dot_ns, dot_ns / fma_ns, chosen_math);
   }
 #else
   const bool bf16_dot = false;
@@ -633,25 +635,19 @@ int Main(int argc, char** argv) {
     internal::DotProducts dot;
   };
   std::vector<Variant> variants;
-  const bool tiles = internal::DecodeTilesAvailable();
-  const bool dot_not_taken = bf16_dot && !internal::DecodeDotProductsChosen();
-  const bool f32_not_taken = bf16_dot && internal::DecodeDotProductsChosen();
-  if (tiles) variants.push_back({"NO TILES", false, internal::DotProducts::kChosen});
-  if (dot_not_taken) variants.push_back({"BF16 DOT", false, internal::DotProducts::kAlways});
-  if (f32_not_taken) variants.push_back({"FAST F32", false, internal::DotProducts::kNever});
-  if (tiles) {
-    std::printf("BF16 FAST: tile multiplies (AMX) where the step has 4 to 16 query rows per "
-                "key/value head;\nNO TILES: the same steps as without them (%s)\n",
-                internal::DecodeDotProductsChosen() ? "bf16 dot products" : "float32 math");
-  }
-  if (dot_not_taken) {
-    std::printf("BF16 DOT: the same steps with bf16 dot products, which FAST does not take "
-                "on this CPU\n");
-  }
-  if (f32_not_taken) {
+  if (internal::DecodeTilesAvailable()) {
+    variants.push_back({"NO TILES", false, internal::DotProducts::kChosen});
     std::printf(
-        "FAST F32: the same steps with float32 math, which FAST does not take "
-        "on this CPU\n");
+        "BF16 FAST: tile multiplies (AMX) where the step has 4 to 16 query rows per "
+        "key/value head;\nNO TILES: the same steps as without them (%s)\n",
+        chosen_math);
+  }
+  if (bf16_dot) {
+    const Variant other = dot_chosen ? Variant{"FAST F32", false, internal::DotProducts::kNever}
+                                     : Variant{"BF16 DOT", false, internal::DotProducts::kAlways};
+    variants.push_back(other);
+    std::printf("%s: the same steps with %s, which FAST does not take on this CPU\n", other.name,
+                dot_chosen ? "float32 math" : "bf16 dot products");
   }
   std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
