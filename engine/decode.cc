@@ -28,12 +28,18 @@
 #include <new>
 #include <vector>
 
+#include "engine/decode_kernels.h"
 #include "engine/kernels.h"
 
 namespace attention::internal {
 namespace {
 
-constexpr int64_t kBlockRows = KvCache::kBlockRows;
+using decode::AccumulateFn;
+using decode::kBlockRows;
+using decode::kScoreRows;
+using decode::Math;
+using decode::ScoresFn;
+using decode::SoftmaxRows;
 // A thread's share of one item is at least this many cache blocks (256
 // rows): less would spend more on merging partial results than it saves.
 constexpr int64_t kMinChunkBlocks = 4;
@@ -88,48 +94,6 @@ float Prepare(float* s, int64_t visible, int64_t n, float* row_partial) {
   m = m_new;
   return correction;
 }
-
-// How a step multiplies: float32 math over a FLOAT32 or a BFLOAT16 cache
-// (its elements widened exactly), or, for precision FAST over a BFLOAT16
-// cache, bf16 products (the query and the softmax weights rounded to
-// bfloat16, float32 sums): tile multiplies, or bf16 dot products
-// (vdpbf16ps, two multiply-adds per lane and instruction) on CPUs where
-// those beat the widening (DotProductsFaster).
-enum class Math { kFloat32, kBFloat16, kBFloat16Dot };
-
-// Up to kScoreRows query rows' scores against one block's keys at a time:
-// each key element loaded once for all of them.
-constexpr int kScoreRows = 4;
-
-// What a scores kernel needs for its rows' softmax step (Prepare), row r
-// of its `rows`: the block's keys it sees (visible[r]), its running
-// [m, l, acc...] (partial[r]), and where the factor Prepare returns goes
-// (correction[r]). fast: precision FAST's exponentials.
-struct SoftmaxRows {
-  const int64_t* visible;
-  float* const* partial;
-  float* correction;
-  bool fast;
-};
-// The scores scale * q_r . k_j for the `rows` rows q[r] and the block's keys
-// kt (engine/kv_cache.h's layout), n of them rows of the sequence, folded
-// into each row's softmax: s[r * kBlockRows + j] is left the weight of value
-// row j (0 from visible[r] on). q[r] is key_dim floats, or for kBFloat16Dot
-// key_dim rounded up to even bfloat16 (the pad 0). next_k (may be null): the
-// next block's keys, prefetched meanwhile so that the thread keeps memory
-// busy. The AVX-512 kernels take the softmax step on the scores in their
-// registers, never stored: grouped-query FAST steps without tiles ran 2-3%
-// faster than with a step of its own per row (2026-11-27).
-using ScoresFn = void (*)(const void* const* q, int rows, const void* kt, int64_t n, int64_t d,
-                          float scale, float* s, const char* next_k,
-                          const SoftmaxRows& softmax);
-// acc[r] = acc[r] * correction[r] + sum_{j < n} p[r * kBlockRows + j] v_j
-// for `rows` rows, over the block's value rows v (dim d): each value row read
-// once for all of them; next_v as next_k. p[r * kBlockRows + j] is 0 for
-// j >= n.
-using AccumulateFn = void (*)(const float* p, int rows, float* const* acc,
-                              const float* correction, const void* v, int64_t n, int64_t d,
-                              const char* next_v);
 
 template <bool kBf16>
 void GenericScores(const void* const* q, int rows, const void* kt, int64_t n, int64_t d,
@@ -991,16 +955,16 @@ float PrepareToBFloat16(const float*, int64_t, float*, uint16_t*) { return 1.0f;
 #endif  // ATTN_DECODE_AVX512
 
 // The kernels for a cache of `value_dim` value elements: AVX-512 on CPUs
-// that have it (values: dims that are a multiple of 16), portable loops
-// otherwise. `math` is what the step asked for; `scores_math` is set to what
-// the scores kernel does (bf16 dot products need avx512_bf16).
+// that have it, else AVX2 (decode_avx2.cc; values of either: dims that are
+// a multiple of 16), portable loops otherwise. `math` is what the step asked for; `scores_math` is
+// set to what the scores kernel does (bf16 dot products need avx512_bf16).
 struct BlockKernels {
   ScoresFn scores;
   AccumulateFn accumulate;
   Math scores_math;
 };
 
-std::atomic<bool> portable_kernels_for_testing{false};
+std::atomic<DecodeKernels> kernels_use{DecodeKernels::kBest};
 std::atomic<bool> tiles_allowed{true};
 std::atomic<DotProducts> dot_products_use{DotProducts::kChosen};
 
@@ -1033,18 +997,50 @@ bool UseDotProducts() {
   return DotProductsFaster();
 }
 
+// The vector kernels this CPU runs: the widest it has.
+enum class VectorKernels { kNone, kAvx2, kAvx512 };
+VectorKernels BestVectorKernels() {
+#ifdef ATTN_DECODE_AVX512
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) return VectorKernels::kAvx512;
+#endif
+  return decode::Avx2Usable() ? VectorKernels::kAvx2 : VectorKernels::kNone;
+}
+
+// Those KernelsFor takes, under what SetDecodeKernels selects.
+VectorKernels VectorKernelsInUse() {
+  switch (kernels_use.load(std::memory_order_relaxed)) {
+    case DecodeKernels::kPortable:
+      return VectorKernels::kNone;
+    case DecodeKernels::kAvx2:
+      return decode::Avx2Usable() ? VectorKernels::kAvx2 : VectorKernels::kNone;
+    case DecodeKernels::kBest:
+      break;
+  }
+  return BestVectorKernels();
+}
+
 BlockKernels KernelsFor(int64_t value_dim, Math math) {
   const bool bf16 = math != Math::kFloat32;
   BlockKernels k{bf16 ? &GenericScores<true> : &GenericScores<false>,
                  bf16 ? &GenericAccumulate<true> : &GenericAccumulate<false>,
                  bf16 ? Math::kBFloat16 : Math::kFloat32};
+  const VectorKernels vector = VectorKernelsInUse();
+  // The AVX2 kernels, like the AVX-512 ones, take value dims that are a
+  // multiple of 16 (whole cache lines of FLOAT32 rows per pass).
+  const bool vector_values = value_dim % 16 == 0;
+  if (vector == VectorKernels::kAvx2) {
+    // No bf16 products without avx512_bf16: float32 math, as on Intel's CPUs.
+    k.scores_math = bf16 ? Math::kBFloat16 : Math::kFloat32;
+    k.scores = decode::Avx2Scores(k.scores_math);
+    if (vector_values) k.accumulate = decode::Avx2Accumulate(k.scores_math);
+    return k;
+  }
 #ifdef ATTN_DECODE_AVX512
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  static const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  if (!avx512 || portable_kernels_for_testing.load(std::memory_order_relaxed)) return k;
+  static const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16");
+  if (vector != VectorKernels::kAvx512) return k;
   if (math == Math::kBFloat16Dot && !avx512_bf16) math = Math::kBFloat16;
   k.scores_math = math;
-  const bool vector_values = value_dim % 16 == 0;
   switch (math) {
     case Math::kFloat32:
       k.scores = &Avx512Scores<Math::kFloat32>;
@@ -1059,8 +1055,6 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
       if (vector_values) k.accumulate = &Avx512Accumulate<Math::kBFloat16Dot>;
       break;
   }
-#else
-  (void)value_dim;
 #endif
   return k;
 }
@@ -1393,25 +1387,35 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
   if (out_of_memory.load()) throw std::bad_alloc();
 }
 
-void UsePortableDecodeKernelsForTesting(bool portable) {
-  portable_kernels_for_testing.store(portable, std::memory_order_relaxed);
+void SetDecodeKernels(DecodeKernels use) { kernels_use.store(use, std::memory_order_relaxed); }
+
+const char* DecodeKernelsChosen() {
+  switch (BestVectorKernels()) {
+    case VectorKernels::kAvx512:
+      return "AVX-512";
+    case VectorKernels::kAvx2:
+      return "AVX2";
+    case VectorKernels::kNone:
+      break;
+  }
+  return "portable";
 }
 
 bool DecodeExpForTesting(bool fast, const float* x, float* y, int64_t n) {
-#ifdef ATTN_DECODE_AVX512
-  if (!__builtin_cpu_supports("avx512f")) return false;
-  for (int64_t i = 0; i < n; i += 16) {
-    const int64_t count = std::min<int64_t>(16, n - i);
+  const VectorKernels vector = VectorKernelsInUse();
+  if (vector == VectorKernels::kNone) return false;
+  const int64_t lanes = vector == VectorKernels::kAvx512 ? 16 : 8;
+  for (int64_t i = 0; i < n; i += lanes) {
+    const int64_t count = std::min<int64_t>(lanes, n - i);
     alignas(64) float in[16] = {}, out[16];
     std::memcpy(in, x + i, static_cast<size_t>(count) * sizeof(float));
-    ExpForTesting(fast, in, out);
+#ifdef ATTN_DECODE_AVX512
+    if (vector == VectorKernels::kAvx512) ExpForTesting(fast, in, out);
+#endif
+    if (vector == VectorKernels::kAvx2) decode::Avx2ExpForTesting(fast, in, out);
     std::memcpy(y + i, out, static_cast<size_t>(count) * sizeof(float));
   }
   return true;
-#else
-  (void)fast, (void)x, (void)y, (void)n;
-  return false;
-#endif
 }
 
 bool DecodeTilesAvailable() { return TilesUsable(); }

@@ -38,7 +38,7 @@ struct DecodeItem {
   float scale = 1.0f;
   // BOTTOM_RIGHT: query row i sees cached keys j <= i + keys - query_len.
   bool causal = false;
-  // Precision FAST: on CPUs with AVX-512, exponentials to a relative error
+  // Precision FAST: on CPUs with AVX-512 or AVX2, exponentials to a relative error
   // under 5e-6; over a BFLOAT16 cache, bf16 products (the query and the
   // softmax weights rounded to bfloat16, float32 sums) by tile multiplies
   // (from kMinTileRows query rows, group x query_len) or, where they are the
@@ -86,13 +86,20 @@ int64_t DecodeUnitsPerSession(int64_t sessions, int threads);
 // what they gained.
 std::vector<int64_t> ShrinkingBlockRanges(int64_t blocks, int threads);
 
-// Tests: y = exp(x) over n floats as the softmax step's AVX-512 kernels
-// compute it, `fast` as under precision FAST. False (y untouched) where the
-// CPU has no AVX-512.
-bool DecodeExpForTesting(bool fast, const float* x, float* y, int64_t n);
+// Tests and benchmarks: which kernels RunDecode computes with. kBest, the
+// default: AVX-512 where the CPU has it, else AVX2 (with FMA), else
+// portable loops; kAvx2: the AVX2 kernels on every CPU that has AVX2 and
+// FMA (portable loops elsewhere); kPortable: portable loops on every CPU.
+enum class DecodeKernels { kBest, kAvx2, kPortable };
+void SetDecodeKernels(DecodeKernels use);
+// The vector kernels RunDecode uses on this CPU under kBest: "AVX-512",
+// "AVX2" or "portable".
+const char* DecodeKernelsChosen();
 
-// Tests: true makes RunDecode use its portable loops on every CPU.
-void UsePortableDecodeKernelsForTesting(bool portable);
+// Tests: y = exp(x) over n floats as the softmax step of the kernels
+// SetDecodeKernels selects computes it, `fast` as under precision FAST.
+// False (y untouched) where those are the portable loops.
+bool DecodeExpForTesting(bool fast, const float* x, float* y, int64_t n);
 
 // Whether this CPU and OS let RunDecode use tile matrix multiplies (AMX)
 // for precision FAST over BFLOAT16 caches (from kMinTileRows up to

@@ -5,13 +5,14 @@
 
 #include "common/half.h"
 
-// Each hot loop is compiled twice, for AVX-512 (x86-64-v4) and for any
-// x86-64, and the loader picks one for the CPU it runs on. Not under TSan:
+// Each hot loop is compiled three times, for AVX-512 (x86-64-v4), for AVX2
+// with FMA (x86-64-v3) and for any x86-64, and the loader picks the widest
+// the CPU it runs on has. Not under TSan:
 // GCC instruments the ifunc resolvers too, and the loader runs them before
 // TSan's runtime is up, which crashes every program at startup.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(__SANITIZE_THREAD__)
-#define ATTN_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
+#define ATTN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define ATTN_CLONES
 #endif

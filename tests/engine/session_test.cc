@@ -32,6 +32,24 @@ using testing::StatusIs;
 using Input = testing::FloatTensor;
 using testing::RandomFloats;
 
+using internal::DecodeKernels;
+// Every kernel set of the decode pass: the CPU's widest (AVX-512 where it
+// has it), the AVX2 kernels (the same as the widest on an AVX2 CPU) and the
+// portable loops.
+constexpr DecodeKernels kEveryKernelSet[] = {DecodeKernels::kBest, DecodeKernels::kAvx2,
+                                             DecodeKernels::kPortable};
+std::string KernelsName(DecodeKernels kernels) {
+  switch (kernels) {
+    case DecodeKernels::kBest:
+      return internal::DecodeKernelsChosen();
+    case DecodeKernels::kAvx2:
+      return "AVX2";
+    case DecodeKernels::kPortable:
+      return "portable";
+  }
+  return "?";
+}
+
 // Concatenates a and b along `axis` (their other dims equal).
 Input Concat(const Input& a, const Input& b, size_t axis) {
   if (a.values.empty()) return b;
@@ -508,12 +526,12 @@ TEST_P(SessionTest, GroupedQueryHeadsShareTheirKeyValueHead) {
 // storage types, with a cache split across threads by block ranges and by
 // heads.
 TEST_P(SessionTest, DecodeKernelShapesMatch) {
-  for (bool portable : {false, true}) {
-    internal::UsePortableDecodeKernelsForTesting(portable);
+  for (DecodeKernels kernels : kEveryKernelSet) {
+    internal::SetDecodeKernels(kernels);
     for (int64_t dim : {32, 64, 80, 128, 256, 40, 33}) {
       for (int64_t group : {1, 3, 8}) {
         for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-          SCOPED_TRACE(absl::StrCat(portable ? "portable " : "", "D", dim, " group ", group, " ",
+          SCOPED_TRACE(absl::StrCat(KernelsName(kernels), " D", dim, " group ", group, " ",
                                     DTypeName(dtype)));
           // 10 blocks: where the cache is worth two threads, two ranges of
           // blocks, each head on its own.
@@ -543,7 +561,7 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
       }
     }
   }
-  internal::UsePortableDecodeKernelsForTesting(false);
+  internal::SetDecodeKernels(DecodeKernels::kBest);
 }
 
 // Sessions whose count does not divide among two threads: each session's
@@ -600,11 +618,13 @@ TEST_P(SessionTest, DecodeKernelSplitsSessionsThatDoNotDivideAmongThreads) {
   }
 }
 
-// The softmax step's exponentials, EXACT's and FAST's: within their
-// stated relative error of exp over the range a score minus its row's max
-// takes (x <= 0), 0 below -87.34 (where exp leaves float32's normal range;
-// -inf included), 1 at 0, NaN for NaN. FAST's weights are rounded to
-// bfloat16 (relative error up to 2^-9) after it, so its 5e-6 is lost there.
+// The softmax step's exponentials, EXACT's and FAST's, in the AVX-512 and
+// the AVX2 kernels: within their stated relative error of exp over the
+// range a score minus its row's max takes (x <= 0), 0 below -87.34 (where
+// exp leaves float32's normal range; -inf included), 1 at 0, NaN for NaN.
+// FAST's weights are rounded to bfloat16 (relative error up to 2^-9) after
+// it, so its 5e-6 is lost there. (The portable loops take engine/kernels.cc's
+// exp, which the engine's tests check.)
 TEST(DecodeExpTest, WithinTheirErrorOverTheScoresRange) {
   std::vector<float> x;
   for (int i = 0; i <= 200000; ++i) x.push_back(-87.3f * static_cast<float>(i) / 200000);
@@ -612,24 +632,32 @@ TEST(DecodeExpTest, WithinTheirErrorOverTheScoresRange) {
   const std::vector<float> edges = {-87.4f, -88.0f, -1000.0f, -inf,
                                     std::numeric_limits<float>::quiet_NaN()};
   x.insert(x.end(), edges.begin(), edges.end());
-  for (bool fast : {false, true}) {
-    SCOPED_TRACE(fast ? "FAST" : "EXACT");
-    std::vector<float> y(x.size());
-    if (!internal::DecodeExpForTesting(fast, x.data(), y.data(), static_cast<int64_t>(x.size()))) {
-      GTEST_SKIP() << "no AVX-512: the portable kernels use std::exp";
+  int ran = 0;
+  for (DecodeKernels kernels : {DecodeKernels::kBest, DecodeKernels::kAvx2}) {
+    internal::SetDecodeKernels(kernels);
+    for (bool fast : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(KernelsName(kernels), fast ? " FAST" : " EXACT"));
+      std::vector<float> y(x.size());
+      if (!internal::DecodeExpForTesting(fast, x.data(), y.data(),
+                                         static_cast<int64_t>(x.size()))) {
+        continue;
+      }
+      ++ran;
+      const double bound = fast ? 5e-6 : 2.5e-7;
+      double worst = 0;
+      for (size_t i = 0; i + edges.size() < x.size(); ++i) {
+        const double want = std::exp(static_cast<double>(x[i]));
+        worst = std::max(worst, std::abs(y[i] / want - 1));
+      }
+      EXPECT_LE(worst, bound);
+      EXPECT_EQ(y[0], 1.0f);
+      const size_t e = x.size() - edges.size();
+      for (size_t i = e; i + 1 < x.size(); ++i) EXPECT_EQ(y[i], 0.0f) << x[i];
+      EXPECT_TRUE(std::isnan(y.back()));
     }
-    const double bound = fast ? 5e-6 : 2.5e-7;
-    double worst = 0;
-    for (size_t i = 0; i + edges.size() < x.size(); ++i) {
-      const double want = std::exp(static_cast<double>(x[i]));
-      worst = std::max(worst, std::abs(y[i] / want - 1));
-    }
-    EXPECT_LE(worst, bound);
-    EXPECT_EQ(y[0], 1.0f);
-    const size_t e = x.size() - edges.size();
-    for (size_t i = e; i + 1 < x.size(); ++i) EXPECT_EQ(y[i], 0.0f) << x[i];
-    EXPECT_TRUE(std::isnan(y.back()));
   }
+  internal::SetDecodeKernels(DecodeKernels::kBest);
+  if (ran == 0) GTEST_SKIP() << "no AVX2 nor AVX-512: the decode pass runs its portable loops";
 }
 
 // The rule behind it: at least four units per thread in all, and a
@@ -728,13 +756,13 @@ TEST_P(SessionTest, ALoneLongSessionSplitIntoShrinkingRangesMatches) {
 // step seeing different numbers of a block's keys, some none of the last
 // block's), for both storage types and precision FAST.
 TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
-  for (bool portable : {false, true}) {
-    internal::UsePortableDecodeKernelsForTesting(portable);
+  for (DecodeKernels kernels : kEveryKernelSet) {
+    internal::SetDecodeKernels(kernels);
     for (int64_t cached : {58, 62, 124, 126, 190, 250}) {
       for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
         for (bool fast : {false, true}) {
           if (fast && dtype == DType::kFloat32) continue;
-          SCOPED_TRACE(absl::StrCat(portable ? "portable " : "", cached, " cached rows ",
+          SCOPED_TRACE(absl::StrCat(KernelsName(kernels), " ", cached, " cached rows ",
                                     DTypeName(dtype), fast ? " FAST" : ""));
           const int64_t kv_heads = 2, group = 2, dim = 32, rows = 4;
           auto cache = NewCache(kv_heads, dim, dim, dtype);
@@ -764,7 +792,7 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
       }
     }
   }
-  internal::UsePortableDecodeKernelsForTesting(false);
+  internal::SetDecodeKernels(DecodeKernels::kBest);
 }
 
 // Precision FAST over a BFLOAT16 cache: within bfloat16's rounding of the

@@ -1,0 +1,71 @@
+#ifndef ATTENTION_ENGINE_DECODE_KERNELS_H_
+#define ATTENTION_ENGINE_DECODE_KERNELS_H_
+
+// The block kernels of the decode pass (engine/decode.cc): what a kernel
+// set computes over one cache block, shared by the AVX-512 kernels in
+// decode.cc and the AVX2 ones in decode_avx2.cc. Internal to the engine.
+
+#include <cstdint>
+
+#include "engine/kv_cache.h"
+
+namespace attention::internal::decode {
+
+constexpr int64_t kBlockRows = KvCache::kBlockRows;
+
+// How a step multiplies: float32 math over a FLOAT32 or a BFLOAT16 cache
+// (its elements widened exactly), or, for precision FAST over a BFLOAT16
+// cache, bf16 products (the query and the softmax weights rounded to
+// bfloat16, float32 sums): tile multiplies, or bf16 dot products
+// (vdpbf16ps, two multiply-adds per lane and instruction) on CPUs where
+// those beat the widening (DotProductsFaster).
+enum class Math { kFloat32, kBFloat16, kBFloat16Dot };
+
+// Up to kScoreRows query rows' scores against one block's keys at a time:
+// each key element loaded once for all of them.
+constexpr int kScoreRows = 4;
+
+// What a scores kernel needs for its rows' softmax step (Prepare), row r
+// of its `rows`: the block's keys it sees (visible[r]), its running
+// [m, l, acc...] (partial[r]), and where the factor Prepare returns goes
+// (correction[r]). fast: precision FAST's exponentials.
+struct SoftmaxRows {
+  const int64_t* visible;
+  float* const* partial;
+  float* correction;
+  bool fast;
+};
+
+// The scores scale * q_r . k_j for the `rows` rows q[r] and the block's keys
+// kt (engine/kv_cache.h's layout), n of them rows of the sequence, folded
+// into each row's softmax: s[r * kBlockRows + j] is left the weight of value
+// row j (0 from visible[r] on). q[r] is key_dim floats, or for kBFloat16Dot
+// key_dim rounded up to even bfloat16 (the pad 0). next_k (may be null): the
+// next block's keys, prefetched meanwhile so that the thread keeps memory
+// busy. The vector kernels compute whole blocks (the rows past n are zeros);
+// the softmax step weighs only each row's visible keys.
+using ScoresFn = void (*)(const void* const* q, int rows, const void* kt, int64_t n, int64_t d,
+                          float scale, float* s, const char* next_k, const SoftmaxRows& softmax);
+
+// acc[r] = acc[r] * correction[r] + sum_{j < n} p[r * kBlockRows + j] v_j
+// for `rows` rows, over the block's value rows v (dim d): each value row read
+// once for all of them; next_v as next_k. p[r * kBlockRows + j] is 0 for
+// j >= n.
+using AccumulateFn = void (*)(const float* p, int rows, float* const* acc, const float* correction,
+                              const void* v, int64_t n, int64_t d, const char* next_v);
+
+// The AVX2 kernels (with FMA), for CPUs without AVX-512: float32 math
+// (kFloat32, or kBFloat16 over a BFLOAT16 cache; no bf16 products). Null
+// where this build has none (not x86-64 with GCC or Clang). Accumulate:
+// value dims that are a multiple of 16 only.
+ScoresFn Avx2Scores(Math math);
+AccumulateFn Avx2Accumulate(Math math);
+// Whether this CPU runs them (AVX2 and FMA).
+bool Avx2Usable();
+// y = exp(x) for 8 floats at x and y, as their softmax step computes it
+// (`fast`: precision FAST's). Only where Avx2Usable().
+void Avx2ExpForTesting(bool fast, const float* x, float* y);
+
+}  // namespace attention::internal::decode
+
+#endif  // ATTENTION_ENGINE_DECODE_KERNELS_H_
