@@ -219,6 +219,23 @@ __attribute__((target("avx512f"))) float FmaLoop(int64_t n) {
   return FirstLaneOfSum(a);
 }
 
+// The same with 8-lane FMAs, for CPUs with AVX2 and FMA but no AVX-512.
+__attribute__((target("avx2,fma"))) float FmaLoop8(int64_t n) {
+  __m256 a[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(0.001f * static_cast<float>(i));
+  const __m256 b = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(0.0001f);
+  for (int64_t k = 0; k < n; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], b, c);
+    asm volatile("" : "+x"(a[0]), "+x"(a[6]), "+x"(a[11]));
+  }
+  __m256 sum = a[0];
+#pragma GCC unroll 12
+  for (int i = 1; i < 12; ++i) sum = _mm256_add_ps(sum, a[i]);
+  return _mm_cvtss_f32(_mm256_castps256_ps128(sum));
+}
+
 // The same chains of bf16 dot products (vdpbf16ps: two multiply-adds per
 // lane and instruction): against FmaLoop, what each costs on this CPU,
 // which decides whether FAST's steps without tiles take them
@@ -255,25 +272,29 @@ std::pair<double, double> FmaAndDotNanoseconds() {
 #endif
 
 // Float multiply-adds on `threads` threads at once, a few milliseconds'
-// worth per Pass; available() is false where the probe has no kernel (no
-// AVX-512).
+// worth per Pass, in the CPU's widest vectors (16 lanes with AVX-512, else
+// 8 with AVX2 and FMA); available() is false where the probe has no kernel.
 class MultiplyAddProbe {
  public:
-  explicit MultiplyAddProbe(int threads) : threads_(threads) {}
-  bool available() const {
+  explicit MultiplyAddProbe(int threads) : threads_(threads) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    return __builtin_cpu_supports("avx512f");
-#else
-    return false;
+    lanes_ = __builtin_cpu_supports("avx512f")                                 ? 16
+             : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8
+                                                                               : 0;
 #endif
   }
-  double multiply_adds_per_pass() const { return static_cast<double>(threads_) * kIterations * 12 * 16; }
+  bool available() const { return lanes_ > 0; }
+  int lanes() const { return lanes_; }
+  double multiply_adds_per_pass() const {
+    return static_cast<double>(threads_) * kIterations * 12 * lanes_;
+  }
   void Pass() {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (!available()) return;
     float total = 0;
+    const bool wide = lanes_ == 16;
 #pragma omp parallel num_threads(threads_) reduction(+ : total)
-    total += FmaLoop(kIterations);
+    total += wide ? FmaLoop(kIterations) : FmaLoop8(kIterations);
     sink_ = sink_ + total;
 #endif
   }
@@ -281,6 +302,7 @@ class MultiplyAddProbe {
  private:
   static constexpr int64_t kIterations = 4'000'000;
   const int threads_;
+  int lanes_ = 0;
   volatile float sink_ = 0;
 };
 
@@ -598,9 +620,9 @@ int Main(int argc, char** argv) {
   std::printf(
       "%d rounds per shape, each calling in turn (shuffled), for at least 0.2 s each: the "
       "memory-read probe\n(%d threads streaming 1 GiB, prefetching), a multiply-add "
-      "probe (%d threads of independent 16-lane FMAs)\nand each step, the probe and the "
+      "probe (%d threads of independent %d-lane FMAs)\nand each step, the probe and the "
       "steps each starting with its data flushed from the CPU's caches;\n",
-      kRounds, threads, threads);
+      kRounds, threads, threads, fma.lanes());
   if (back_to_back) {
     std::printf(
         "a step call is %d steps back to back over copies of the sessions (%d MiB or "
@@ -629,12 +651,28 @@ int Main(int argc, char** argv) {
 #else
   const bool bf16_dot = false;
 #endif
+  // A variant steps the BFLOAT16 sessions under FAST, or with float32_cache
+  // the FLOAT32 ones, with other kernels or math than the engine chooses.
   struct Variant {
     const char* name;
     bool tiles;
     internal::DotProducts dot;
+    internal::DecodeKernels kernels = internal::DecodeKernels::kBest;
+    bool float32_cache = false;
   };
   std::vector<Variant> variants;
+  // The decode kernels this CPU takes, and beside them the FLOAT32 steps
+  // with the next narrower ones (AVX2 on an AVX-512 CPU, the portable loops
+  // on an AVX2 one): what the wider vectors gain.
+  const std::string kernels = internal::DecodeKernelsChosen();
+  if (kernels != "portable") {
+    const bool avx512 = kernels == "AVX-512";
+    variants.push_back(
+        {avx512 ? "F32 AVX2" : "F32 PORTABLE", true, internal::DotProducts::kChosen,
+         avx512 ? internal::DecodeKernels::kAvx2 : internal::DecodeKernels::kPortable, true});
+    std::printf("decode kernels: %s; %s: the FLOAT32 steps with the %s\n", kernels.c_str(),
+                variants.back().name, avx512 ? "AVX2 kernels" : "portable loops");
+  }
   if (internal::DecodeTilesAvailable()) {
     variants.push_back({"NO TILES", false, internal::DotProducts::kChosen});
     std::printf(
@@ -670,14 +708,17 @@ int Main(int argc, char** argv) {
           {[&] { bf16.Steps(*engine, false); }, [&] { bf16.Flush(threads); }},
           {[&] { bf16.Steps(*engine, true); }, [&] { bf16.Flush(threads); }}};
       for (const Variant& v : variants) {
+        Sessions& sessions = v.float32_cache ? f32 : bf16;
         calls.push_back({[&] {
                            internal::UseDecodeTiles(v.tiles);
                            internal::SetDecodeDotProducts(v.dot);
-                           bf16.Steps(*engine, true);
+                           internal::SetDecodeKernels(v.kernels);
+                           sessions.Steps(*engine, !v.float32_cache);
                            internal::UseDecodeTiles(true);
                            internal::SetDecodeDotProducts(internal::DotProducts::kChosen);
+                           internal::SetDecodeKernels(internal::DecodeKernels::kBest);
                          },
-                         [&] { bf16.Flush(threads); }});
+                         [&] { sessions.Flush(threads); }});
       }
       const std::vector<double> t = TimeInterleaved(calls, 0.2);
       bandwidth.push_back(static_cast<double>(probe.bytes()) / t[0]);
@@ -694,8 +735,9 @@ int Main(int argc, char** argv) {
       bf16_up.push_back(t_f32.back() / t_bf16.back());
       fast_up.push_back(t_f32.back() / t_fast.back());
       for (size_t v = 0; v < variants.size(); ++v) {
-        t_var[v].push_back(t[5 + v] / bf16.steps_per_call());
-        var_vs_probe[v].push_back(bf16.bytes_per_step() / t_var[v].back() / bandwidth.back());
+        const Sessions& sessions = variants[v].float32_cache ? f32 : bf16;
+        t_var[v].push_back(t[5 + v] / sessions.steps_per_call());
+        var_vs_probe[v].push_back(sessions.bytes_per_step() / t_var[v].back() / bandwidth.back());
         var_up[v].push_back(t_f32.back() / t_var[v].back());
       }
     }
@@ -726,7 +768,8 @@ int Main(int argc, char** argv) {
         s.target ? verdict(Median(fast_up) >= kBFloat16SpeedUp) : "",
         text("%.2fx", Median(fast_up)).c_str());
     for (size_t v = 0; v < variants.size(); ++v) {
-      row(variants[v].name, t_var[v], bf16.bytes_per_step(), var_vs_probe[v], "", "",
+      const Sessions& sessions = variants[v].float32_cache ? f32 : bf16;
+      row(variants[v].name, t_var[v], sessions.bytes_per_step(), var_vs_probe[v], "", "",
           text("%.2fx", Median(var_up[v])).c_str());
     }
   }
