@@ -956,8 +956,9 @@ float PrepareToBFloat16(const float*, int64_t, float*, uint16_t*) { return 1.0f;
 
 // The kernels for a cache of `value_dim` value elements: AVX-512 on CPUs
 // that have it, else AVX2 (decode_avx2.cc; values of either: dims that are
-// a multiple of 16), portable loops otherwise. `math` is what the step asked for; `scores_math` is
-// set to what the scores kernel does (bf16 dot products need avx512_bf16).
+// a multiple of 16), portable loops otherwise. `math` is what the step
+// asked for; `scores_math` is set to what the scores kernel does (bf16 dot
+// products need avx512_bf16).
 struct BlockKernels {
   ScoresFn scores;
   AccumulateFn accumulate;
@@ -1030,10 +1031,11 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
   // multiple of 16 (whole cache lines of FLOAT32 rows per pass).
   const bool vector_values = value_dim % 16 == 0;
   if (vector == VectorKernels::kAvx2) {
-    // No bf16 products without avx512_bf16: float32 math, as on Intel's CPUs.
-    k.scores_math = bf16 ? Math::kBFloat16 : Math::kFloat32;
-    k.scores = decode::Avx2Scores(k.scores_math);
-    if (vector_values) k.accumulate = decode::Avx2Accumulate(k.scores_math);
+    // No bf16 products without avx512_bf16: float32 math (k.scores_math as
+    // the portable loops'), as on Intel's CPUs.
+    const decode::Avx2Kernels avx2 = decode::Avx2KernelsFor(bf16);
+    k.scores = avx2.scores;
+    if (vector_values) k.accumulate = avx2.accumulate;
     return k;
   }
 #ifdef ATTN_DECODE_AVX512

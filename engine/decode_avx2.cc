@@ -34,8 +34,8 @@ constexpr int64_t kKeyElementBytes = kBlockRows * 4;  // a FLOAT32 key element, 
 
 // Into L2, as the AVX-512 kernels prefetch (decode.cc says why T1).
 ATTN_AVX2 inline void Prefetch(const char* p, int64_t bytes) {
-  _Pragma("GCC unroll 1") for (int64_t off = 0; off < bytes; off += 64)
-      _mm_prefetch(p + off, _MM_HINT_T1);
+#pragma GCC unroll 1
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 // A BFLOAT16 cache's 32-bit words of two bfloat16 each, 8 words: the first
@@ -437,35 +437,11 @@ void Accumulate(const float* p, int rows, float* const* acc, const float* correc
   }
 }
 
-ATTN_AVX2 void ExpOf8(bool fast, const float* x, float* y) {
-  const __m256 v = _mm256_loadu_ps(x);
-  _mm256_storeu_ps(y, fast ? Exp8Fast(v) : Exp8(v));
-}
-
 }  // namespace
 
-ScoresFn Avx2Scores(Math math) {
-  switch (math) {
-    case Math::kFloat32:
-      return &Scores<Math::kFloat32>;
-    case Math::kBFloat16:
-      return &Scores<Math::kBFloat16>;
-    case Math::kBFloat16Dot:
-      break;
-  }
-  return nullptr;
-}
-
-AccumulateFn Avx2Accumulate(Math math) {
-  switch (math) {
-    case Math::kFloat32:
-      return &Accumulate<Math::kFloat32>;
-    case Math::kBFloat16:
-      return &Accumulate<Math::kBFloat16>;
-    case Math::kBFloat16Dot:
-      break;
-  }
-  return nullptr;
+Avx2Kernels Avx2KernelsFor(bool bfloat16) {
+  if (bfloat16) return {&Scores<Math::kBFloat16>, &Accumulate<Math::kBFloat16>};
+  return {&Scores<Math::kFloat32>, &Accumulate<Math::kFloat32>};
 }
 
 bool Avx2Usable() {
@@ -473,12 +449,14 @@ bool Avx2Usable() {
   return usable;
 }
 
-void Avx2ExpForTesting(bool fast, const float* x, float* y) { ExpOf8(fast, x, y); }
+ATTN_AVX2 void Avx2ExpForTesting(bool fast, const float* x, float* y) {
+  const __m256 v = _mm256_loadu_ps(x);
+  _mm256_storeu_ps(y, fast ? Exp8Fast(v) : Exp8(v));
+}
 
 #else  // no AVX2 kernels in this build
 
-ScoresFn Avx2Scores(Math) { return nullptr; }
-AccumulateFn Avx2Accumulate(Math) { return nullptr; }
+Avx2Kernels Avx2KernelsFor(bool) { return {nullptr, nullptr}; }
 bool Avx2Usable() { return false; }
 void Avx2ExpForTesting(bool, const float*, float*) {}
 

@@ -54,12 +54,15 @@ using ScoresFn = void (*)(const void* const* q, int rows, const void* kt, int64_
 using AccumulateFn = void (*)(const float* p, int rows, float* const* acc, const float* correction,
                               const void* v, int64_t n, int64_t d, const char* next_v);
 
-// The AVX2 kernels (with FMA), for CPUs without AVX-512: float32 math
-// (kFloat32, or kBFloat16 over a BFLOAT16 cache; no bf16 products). Null
-// where this build has none (not x86-64 with GCC or Clang). Accumulate:
-// value dims that are a multiple of 16 only.
-ScoresFn Avx2Scores(Math math);
-AccumulateFn Avx2Accumulate(Math math);
+// The AVX2 kernels (with FMA), for CPUs without AVX-512, over a FLOAT32 or
+// (bfloat16) a BFLOAT16 cache: float32 math either way (kFloat32 or
+// kBFloat16; no bf16 products). Null where this build has none (not x86-64
+// with GCC or Clang). accumulate: value dims that are a multiple of 16 only.
+struct Avx2Kernels {
+  ScoresFn scores;
+  AccumulateFn accumulate;
+};
+Avx2Kernels Avx2KernelsFor(bool bfloat16);
 // Whether this CPU runs them (AVX2 and FMA).
 bool Avx2Usable();
 // y = exp(x) for 8 floats at x and y, as their softmax step computes it
