@@ -402,16 +402,8 @@ ATTN_AVX512 inline __m128 FourOf(__m512 x, bool max) {
   const __m128 a = _mm256_castps256_ps128(eight), b = _mm256_extractf128_ps(eight, 1);
   return max ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
 }
-ATTN_AVX512 inline float MaxOf(__m512 x) {
-  __m128 m = FourOf(x, true);
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-ATTN_AVX512 inline float SumOf(__m512 x) {
-  __m128 s = FourOf(x, false);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
+ATTN_AVX512 inline float MaxOf(__m512 x) { return decode::MaxOf4(FourOf(x, true)); }
+ATTN_AVX512 inline float SumOf(__m512 x) { return decode::SumOf4(FourOf(x, false)); }
 
 // Prepare for a whole block's scores x (n <= kBlockRows = 64, four
 // registers), with no calls: the exponentials of a grouped-query step are a

@@ -190,16 +190,8 @@ ATTN_AVX2 inline __m128 FourOf(__m256 x, bool max) {
   const __m128 a = _mm256_castps256_ps128(x), b = _mm256_extractf128_ps(x, 1);
   return max ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
 }
-ATTN_AVX2 inline float MaxOf(__m256 x) {
-  __m128 m = FourOf(x, true);
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-ATTN_AVX2 inline float SumOf(__m256 x) {
-  __m128 s = FourOf(x, false);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
+ATTN_AVX2 inline float MaxOf(__m256 x) { return MaxOf4(FourOf(x, true)); }
+ATTN_AVX2 inline float SumOf(__m256 x) { return SumOf4(FourOf(x, false)); }
 
 // One row's softmax step over a block's scores at s (decode.cc's Prepare,
 // and its AVX-512 SoftmaxStep's shortcuts): folds the visible ones into the

@@ -9,6 +9,10 @@
 
 #include "engine/kv_cache.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <xmmintrin.h>
+#endif
+
 namespace attention::internal::decode {
 
 constexpr int64_t kBlockRows = KvCache::kBlockRows;
@@ -20,6 +24,20 @@ constexpr int64_t kBlockRows = KvCache::kBlockRows;
 // (vdpbf16ps, two multiply-adds per lane and instruction) on CPUs where
 // those beat the widening (DotProductsFaster).
 enum class Math { kFloat32, kBFloat16, kBFloat16Dot };
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The largest and the sum of 4 floats: the last steps of both kernel sets'
+// reductions of a register (their FourOf folds it to 4 first). SSE, which
+// every x86-64 CPU has.
+inline float MaxOf4(__m128 m) {
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline float SumOf4(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#endif
 
 // Up to kScoreRows query rows' scores against one block's keys at a time:
 // each key element loaded once for all of them.
