@@ -286,7 +286,10 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     // Otherwise the retry appended nothing, so nothing is unsure; applied_
     // stays, so that the same rows sent again are a retry again (after a
     // recreation whose outcome is unknown too: read-only if it was applied,
-    // else NOT_FOUND and recreated).
+    // else NOT_FOUND and recreated). ABORTED: the session is no longer
+    // where the step left it (another writer's rows, or a stale copy on a
+    // replica it moved back to), so the next step asks first.
+    if (answer.status().code() == absl::StatusCode::kAborted) resync_needed_ = true;
     return answer;
   }
   if (SessionNotFound(answer.status(), id()) && created_ && keys_ != nullptr) {
@@ -295,6 +298,13 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
       Settled();
       return answer;
     }
+  }
+  if (answer.status().code() == absl::StatusCode::kAlreadyExists) {
+    // Only a create is refused so: the first step, or a recreation, which
+    // carries the kept rows (position_ of them) before the step's.
+    const absl::StatusOr<int> axis = SequenceAxis(request, "key", Keys(request));
+    const int64_t rows = (created_ ? position_ : 0) + (axis.ok() ? Keys(request).shape(*axis) : 0);
+    answer = CreateRefused(request.session().step_id(), rows, answer.status());
   }
   if (OutcomeUnknown(answer.status())) {
     unsure_.push_back(std::move(request));
@@ -328,10 +338,36 @@ absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& st
   return answer;
 }
 
+absl::Status Session::CreateRefused(const std::string& step_id, int64_t rows,
+                                    absl::Status refused) {
+  const absl::StatusOr<v1::SessionInfo> info = client_->GetSession(id(), Call());
+  if (info.ok() && info->idle_ms() != 0) {
+    // Ours only if it names this step as the last that appended (a server
+    // that names none: by the count alone).
+    const bool ours =
+        info->has_last_step_id() ? info->last_step_id() == step_id : info->position() == rows;
+    if (!ours) return refused;  // another's session: the id is taken
+    return absl::AbortedError(absl::StrCat(
+        refused.message(), "; it holds this step's ", rows,
+        " rows: an earlier attempt of the step, whose answer was lost, created it; send the "
+        "step again for its answer"));
+  }
+  // A request holds it (this step's first attempt, maybe), or it is gone
+  // again (that attempt failed after all): settled by the next step.
+  return absl::AbortedError(
+      absl::StrCat(refused.message(),
+                   "; it may be this step's own (an earlier attempt of the step, whose "
+                   "answer was lost, may have created it): send the step again"));
+}
+
 void Session::Settled() {
+  UnsureSettled();
+  applied_.reset();
+}
+
+void Session::UnsureSettled() {
   unsure_.clear();
   resync_needed_ = false;
-  applied_.reset();
 }
 
 absl::Status Session::Resync() {
@@ -349,7 +385,7 @@ absl::Status Session::Resync() {
   if (!info.ok()) {
     // Never created, or lost (the step is then NOT_FOUND and, with kept
     // rows, recreated): the server holds none of the unsure steps.
-    Settled();
+    UnsureSettled();
     return absl::OkStatus();
   }
   if (info->idle_ms() == 0) {
@@ -376,7 +412,7 @@ absl::Status Session::Resync() {
           "session lived elsewhere); close the session and create it again"));
     }
     ATTN_RETURN_IF_ERROR(client_->CloseSessions({id()}, Call()).status());
-    Settled();
+    UnsureSettled();
     return absl::OkStatus();
   }
   const v1::AttendRequest* applied = nullptr;
@@ -407,7 +443,7 @@ absl::Status Session::Resync() {
     // Nothing kept to match: go on at the server's position.
     created_ = true;
     position_ = held;
-    Settled();
+    UnsureSettled();
     return absl::OkStatus();
   }
   return absl::FailedPreconditionError(absl::StrCat(

@@ -69,38 +69,39 @@ class Session {
 
   // Sends `query` and appends `key` and `value` to the session (absent: key =
   // query and value = key, the self-attention rule), with ids {id()} and
-  // positions {position()}, and create on the first step. Shapes as for
-  // Attend with a batch of 1: rank 3 [1, S_new, E] ([S_new, 1, E] with
-  // SEQUENCE_FIRST) or rank 4 [1, H, S_new, D]. Returns the answer, which
-  // attends over every row the session holds, and sets position() to its
-  // session_positions (an answer without them: position() + the rows sent).
-  // A step the server refuses changes nothing here (nor, by the contract,
-  // on the server). One that fails otherwise (DEADLINE_EXCEEDED,
-  // UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, DATA_LOSS, or ABORTED: a step
-  // sent again whose first attempt was applied) may have been applied all
-  // the same: the next step first asks the server where the session is
-  // (GetSession, waiting up to the client's timeout while a request still
-  // holds it; DEADLINE_EXCEEDED if one still does) and goes on from there.
-  // If the server holds one such step's rows more, and names it as the last
-  // step that appended (each step carries a random session.step_id; a
-  // server that names none: by the count alone), that step counts as
-  // applied (position() moves past them, and with keep_rows they are kept),
-  // and a step sending the same rows again is taken as its retry: it is
-  // sent read-only (appending nothing), and its answer is the one the lost
-  // answer was; with keep_rows, if the session is gone by then (NOT_FOUND
-  // naming it), the retry recreates it from the kept rows, which hold the
-  // step's, and is answered over them. If the server holds fewer rows than position() (a stale copy
-  // on a replica the session has moved back to), with keep_rows the copy is
-  // closed and the step recreates the session, else FAILED_PRECONDITION;
-  // with keep_rows, a count no such step explains (another writer) is
-  // FAILED_PRECONDITION. With keep_rows, rows whose dtype or other dims
-  // differ from those kept are INVALID_ARGUMENT, unsent; a step the server
+  // positions {position()}, and create on the first step. Shapes as for Attend
+  // with a batch of 1: rank 3 [1, S_new, E] ([S_new, 1, E] with SEQUENCE_FIRST)
+  // or rank 4 [1, H, S_new, D]. Returns the answer, which attends over every row
+  // the session holds, and sets position() to its session_positions (an answer
+  // without them: position() + the rows sent). A step the server refuses changes
+  // nothing here (nor, by the contract, on the server). One that fails otherwise
+  // (DEADLINE_EXCEEDED, UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, DATA_LOSS, or
+  // ABORTED: a step sent again whose first attempt was applied; a create sent
+  // again so, which the server refuses ALREADY_EXISTS, is ABORTED here unless
+  // the session it names is another's) may have been applied all the same: the
+  // next step first asks the server where the session is (GetSession, waiting up
+  // to the client's timeout while a request still holds it; DEADLINE_EXCEEDED if
+  // one still does) and goes on from there. If the server holds one such step's
+  // rows more, and names it as the last step that appended (each step carries a
+  // random session.step_id; a server that names none: by the count alone), that
+  // step counts as applied (position() moves past them, and with keep_rows they
+  // are kept), and a step sending the same rows again is taken as its retry: it
+  // is sent read-only (appending nothing), and its answer is the one the lost
+  // answer was; with keep_rows, if the session is gone by then (NOT_FOUND naming
+  // it), the retry recreates it from the kept rows, which hold the step's, and
+  // is answered over them; a retry ABORTED (the session moved on meanwhile)
+  // makes the next step ask again. If the server holds fewer rows than
+  // position() (a stale copy on a replica the session has moved back to), with
+  // keep_rows the copy is closed and the step recreates the session, else
+  // FAILED_PRECONDITION; with keep_rows, a count no such step explains (another
+  // writer) is FAILED_PRECONDITION. With keep_rows, rows whose dtype or other
+  // dims differ from those kept are INVALID_ARGUMENT, unsent; a step the server
   // answers that it has no such session (NOT_FOUND naming it: not another
-  // NOT_FOUND, such as a model not registered) after the first is retried
-  // once as a recreation: one request with create whose key and value are
-  // every kept row and then this step's, and whose query is this step's, so
-  // its answer is this step's answer (recreations() counts them).
-  // FAILED_PRECONDITION after Close.
+  // NOT_FOUND, such as a model not registered) after the first is retried once
+  // as a recreation: one request with create whose key and value are every kept
+  // row and then this step's, and whose query is this step's, so its answer is
+  // this step's answer (recreations() counts them). FAILED_PRECONDITION after
+  // Close.
   absl::StatusOr<v1::AttendResponse> Step(v1::Tensor query,
                                           std::optional<v1::Tensor> key = std::nullopt,
                                           std::optional<v1::Tensor> value = std::nullopt);
@@ -144,12 +145,22 @@ class Session {
   // rows and then the step's; step_kept: `step` is the read-only retry of
   // the step Resync found applied, whose rows are among the kept ones.
   absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step, bool step_kept);
+  // The status of a step whose create (the first step's, or a recreation's,
+  // of `rows` rows) the server refused ALREADY_EXISTS: that refusal as it is
+  // when the session is another's, else ABORTED, an outcome unknown. The
+  // channel sends a step again when its connection fails (so does a stream
+  // session), and a create whose first attempt was applied is refused so.
+  absl::Status CreateRefused(const std::string& step_id, int64_t rows, absl::Status refused);
   // Where the server has the session, after steps whose outcome is unknown
   // (Step's contract).
   absl::Status Resync();
-  // After an answered step (or a resync that settled them): no step before
-  // it can still be applied, nor be retried.
+  // After an answered step (or a resync that found one applied): no step
+  // before it can still be applied, nor be retried.
   void Settled();
+  // After a resync that settled the unsure steps: none is unsure any more;
+  // the step found applied before, if any, still takes its retry read-only
+  // (a resync after that retry was ABORTED keeps it so).
+  void UnsureSettled();
 
   AttentionClient* client_;
   SessionOptions options_;

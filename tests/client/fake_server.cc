@@ -206,6 +206,14 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
                          absl::StrCat("injected end of the stream at call ", state_->attend_calls));
       }
       if (state_->attend_calls == state_->drop_call) state_->sessions.clear();
+      if (state_->attend_calls == state_->rewind_call) {
+        for (auto& [id, session] : state_->sessions) {
+          if (session.position <= state_->rewind_rows) continue;
+          session.keys.resize(session.keys.size() / static_cast<size_t>(session.position) *
+                              static_cast<size_t>(state_->rewind_rows));
+          session.position = state_->rewind_rows;
+        }
+      }
       until = state_->stalled_until;
     }
     absl::SleepFor(until - absl::Now());
@@ -479,6 +487,12 @@ void FakeAttentionServer::DropSessions() {
 void FakeAttentionServer::DropSessionsAtCall(int64_t call) {
   absl::MutexLock lock(&state_.mu);
   state_.drop_call = call;
+}
+
+void FakeAttentionServer::RewindSessionsAtCall(int64_t call, int64_t rows) {
+  absl::MutexLock lock(&state_.mu);
+  state_.rewind_call = call;
+  state_.rewind_rows = rows;
 }
 
 void FakeAttentionServer::FailCall(int64_t call, grpc::StatusCode code) {

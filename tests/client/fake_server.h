@@ -114,6 +114,10 @@ class FakeAttentionServer {
   // handled.
   void DropSessions();
   void DropSessionsAtCall(int64_t call);
+  // Just before the call-th Attend call, every open session holds only its
+  // first `rows` rows: a stale copy, as a replica keeps one while the
+  // session lives elsewhere.
+  void RewindSessionsAtCall(int64_t call, int64_t rows);
 
  private:
   class AttentionImpl;
@@ -156,6 +160,8 @@ class FakeAttentionServer {
     std::map<std::string, FakeSession> sessions ABSL_GUARDED_BY(mu);
     int64_t closed_sessions ABSL_GUARDED_BY(mu) = 0;
     int64_t drop_call ABSL_GUARDED_BY(mu) = 0;
+    int64_t rewind_call ABSL_GUARDED_BY(mu) = 0;
+    int64_t rewind_rows ABSL_GUARDED_BY(mu) = 0;
   };
 
   State state_;

@@ -522,6 +522,53 @@ TEST_F(SessionTest, AStepSentAgainAfterItWasAppliedIsSettledByTheNextStep) {
   }
 }
 
+// A create sent again after its first attempt was applied, its answer lost
+// over a failed connection: the server refuses the resend ALREADY_EXISTS,
+// but the session is this step's own, so the step is ABORTED (an outcome
+// unknown) and its retry gets the lost answer; Close then closes it. The
+// first step's create, and a recreation's; with and without step ids on the
+// server. Before, a first step was ALREADY_EXISTS for good and Close left
+// the session open, and a recreation's next steps FAILED_PRECONDITION.
+TEST_F(SessionTest, ACreateSentAgainAfterItWasAppliedIsSettledByItsRetry) {
+  for (const bool stream : {false, true}) {
+    for (const bool step_ids : {true, false}) {
+      SCOPED_TRACE(absl::StrCat("stream ", stream, ", step ids ", step_ids));
+      FakeAttentionServer server;
+      server.set_report_step_ids(step_ids);
+      std::unique_ptr<AttentionClient> client = ClientOf(server);
+      ASSERT_NE(client, nullptr);
+      std::unique_ptr<Session> s = Open("created", /*keep_rows=*/true, stream, client.get());
+      ASSERT_NE(s, nullptr);
+      server.LoseAnswerOfCall(1, grpc::StatusCode::UNAVAILABLE);
+      EXPECT_THAT(s->Step(Rows(2, 4, 0)),
+                  StatusIs(absl::StatusCode::kAborted,
+                           HasSubstr("an earlier attempt of the step, whose answer was lost, "
+                                     "created it; send the step again")));
+      absl::StatusOr<v1::AttendResponse> again = s->Step(Rows(2, 4, 0));
+      ASSERT_THAT(again, IsOk());
+      EXPECT_THAT(again->session_positions(), ElementsAre(2));
+      EXPECT_EQ(s->position(), 2);
+      EXPECT_EQ(server.session_keys("created"), Concat({Rows(2, 4, 0)}));
+
+      // The session lost; the step's recreation applied, its answer lost.
+      server.DropSessions();
+      server.LoseAnswerOfCall(server.attend_calls() + 2, grpc::StatusCode::UNAVAILABLE);
+      EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+                  StatusIs(absl::StatusCode::kAborted, HasSubstr("it holds this step's 3 rows")));
+      again = s->Step(Rows(1, 4, 8));
+      ASSERT_THAT(again, IsOk());
+      EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
+      EXPECT_EQ(s->position(), 3);
+      EXPECT_EQ(s->kept_bytes(), 2 * 3 * 4 * 4);
+      ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
+      EXPECT_EQ(server.session_keys("created"),
+                Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
+      ASSERT_THAT(s->Close(), IsOk());
+      EXPECT_EQ(server.open_sessions(), 0);
+    }
+  }
+}
+
 // The natural retry of a step whose answer was lost: the same rows again.
 // Once the server turns out to have applied them, the retry is sent
 // read-only, so the rows are appended once and the answer is the lost one.
@@ -636,6 +683,44 @@ TEST_F(SessionTest, AStaleCopyIsReplacedFromTheKeptRows) {
     EXPECT_EQ(s->position(), 5);
     EXPECT_EQ(s->recreations(), 1);
     EXPECT_EQ(server_.session_keys(id), Concat({Rows(2, 4, 0), Rows(2, 4, 8), Rows(1, 4, 16)}));
+  }
+}
+
+// The retry of a step found applied, ABORTED because the session is no
+// longer where the step left it (here the replica's copy is stale, one row
+// where three were): the next step asks the server again. With kept rows
+// the copy is closed and the retry recreates the session, the step's row
+// once; without, FAILED_PRECONDITION. Before, the retry was ABORTED for good.
+TEST_F(SessionTest, AnAbortedRetryIsSettledByTheNextStep) {
+  for (const bool keep_rows : {true, false}) {
+    SCOPED_TRACE(keep_rows);
+    FakeAttentionServer server;
+    std::unique_ptr<AttentionClient> client = ClientOf(server);
+    ASSERT_NE(client, nullptr);
+    std::unique_ptr<Session> s = Open("aborted-retry", keep_rows, /*stream=*/false, client.get());
+    ASSERT_NE(s, nullptr);
+    ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+    server.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+                StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+    // GetSession finds the row; the read-only retry (call 3) a stale copy.
+    server.RewindSessionsAtCall(3, 1);
+    EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+                StatusIs(absl::StatusCode::kAborted,
+                         "session aborted-retry: position 3 was expected, the session holds 1"));
+    absl::StatusOr<v1::AttendResponse> again = s->Step(Rows(1, 4, 8));
+    if (!keep_rows) {
+      EXPECT_THAT(again, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                  HasSubstr("the server holds 1 rows, fewer than the 3")));
+      continue;
+    }
+    ASSERT_THAT(again, IsOk());
+    EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
+    EXPECT_THAT(again->session_positions(), ElementsAre(3));
+    EXPECT_EQ(s->recreations(), 1);
+    EXPECT_EQ(server.session_keys("aborted-retry"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
+    ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
+    EXPECT_EQ(s->position(), 4);
   }
 }
 

@@ -205,6 +205,7 @@ class Session(_session.SessionBase):
                                          timeout, core.affinity)
             except grpc.RpcError as e:
                 if not core.may_recreate(e):
+                    core.retry_failed(e)
                     raise
                 # The session lost since its step was applied: made again
                 # from the kept rows, which hold the step's.
@@ -229,11 +230,26 @@ class Session(_session.SessionBase):
                                                           core.affinity), step[3])
                 recreated = True
         except BaseException as e:
-            core.failed(step, e)
-            raise
+            failure = core.create_refused(step, e, self._info_after(e, timeout))
+            core.failed(step, failure)
+            if failure is e:
+                raise
+            raise failure from e
         core.advance(step, base, answer, recreated=recreated)
         core.succeeded()
         return answer
+
+    def _info_after(self, error, timeout):
+        """After a step refused ALREADY_EXISTS, the server's SessionInfo
+        (None: it has no such session, or could not say); else None, unasked."""
+        if not (isinstance(error, grpc.RpcError) and
+                error.code() == grpc.StatusCode.ALREADY_EXISTS):
+            return None
+        try:
+            return self._client.get_session(self._core.id, timeout=timeout,
+                                            affinity=self._core.affinity)
+        except AttentionError:
+            return None
 
     def _resync(self, timeout):
         """Where the server has the session, once no request holds it (or the
@@ -254,7 +270,7 @@ class Session(_session.SessionBase):
             time.sleep(_session.RESYNC_POLL_S)
         if core.resync(info):  # a stale copy: closed, so that the step recreates the session
             self._client.close_sessions([core.id], timeout=timeout, affinity=core.affinity)
-            core.succeeded()
+            core.unsure_settled()
 
     def close(self, *, timeout=...):
         """Closes the session on the server (OK if it no longer had it); later

@@ -234,9 +234,24 @@ class SessionCore:
     def succeeded(self):
         """After an answered step: no step before it can still be applied (its
         position has passed), nor be retried."""
+        self.unsure_settled()
+        self.applied = None
+
+    def unsure_settled(self):
+        """After a resync that settled the unsure steps: none is unsure any
+        more; the step found applied before, if any, still takes its retry
+        read-only (a resync after that retry was ABORTED keeps it so)."""
         self.unsure = []
         self.resync_needed = False
-        self.applied = None
+
+    def retry_failed(self, error):
+        """After the read-only retry of the step resync found applied raised
+        `error` (and was not recreated): it appended nothing, so nothing is
+        unsure; ABORTED: the session is no longer where the step left it
+        (another writer's rows, or a stale copy on a replica it moved back
+        to), so the next step asks the server first."""
+        if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.ABORTED:
+            self.resync_needed = True
 
     def failed(self, step, error):
         """After `step` raised `error`: a failure that is not the server's
@@ -251,16 +266,48 @@ class SessionCore:
                 for t in step[:3]) + step[3:])
             self.resync_needed = True
 
+    def create_refused(self, step, error, info):
+        """The error `step` fails with after `error`: `error` itself unless
+        it is ALREADY_EXISTS, which only a create (the first step's, or a
+        recreation's) gets. gRPC sends a step again when its connection
+        fails (so does a stream session), and a create whose first attempt
+        was applied is refused so: unless the session is another's, the step
+        fails ABORTED instead, an outcome unknown that the next step settles.
+        `info`: the server's SessionInfo, asked after the refusal (None: it
+        has no such session, or could not say)."""
+        if not (isinstance(error, grpc.RpcError) and
+                error.code() == grpc.StatusCode.ALREADY_EXISTS):
+            return error
+        rows = (self.position if self.created else 0) + (self._count(step) or 0)
+        if info is not None and info.idle_ms != 0:
+            # Ours only if it names this step as the last that appended (a
+            # server that names none: by the count alone).
+            ours = (info.last_step_id == step[4] if info.HasField("last_step_id")
+                    else int(info.position) == rows)
+            if not ours:
+                return error  # another's session: the id is taken
+            return AttentionError(
+                grpc.StatusCode.ABORTED,
+                f"{error.details()}; it holds this step's {rows} rows: an earlier attempt of the "
+                "step, whose answer was lost, created it; send the step again for its answer")
+        # A request holds it (this step's first attempt, maybe), or it is gone
+        # again (that attempt failed after all): settled by the next step.
+        return AttentionError(
+            grpc.StatusCode.ABORTED,
+            f"{error.details()}; it may be this step's own (an earlier attempt of the step, "
+            "whose answer was lost, may have created it): send the step again")
+
     def resync(self, info):
         """Before a step after one whose outcome is unknown: `info` is the
         server's SessionInfo, or None when it has no such session. True when
         the server holds a stale copy that the caller must close
-        (close_sessions([id]) with the session's affinity, then succeeded())
+        (close_sessions([id]) with the session's affinity, then
+        unsure_settled())
         for the step to recreate the session from the kept rows."""
         if info is None:
             # Never created, or lost (the step is then NOT_FOUND, recreated
             # from the kept rows): nothing of the unsure steps is held.
-            self.succeeded()
+            self.unsure_settled()
             return False
         if info.idle_ms == 0:
             # A request still holds it past the step's timeout: its position
@@ -302,7 +349,7 @@ class SessionCore:
             # Nothing kept to match: go on at the server's position.
             self.created = True
             self.position = held
-            self.succeeded()
+            self.unsure_settled()
             return False
         raise AttentionError(
             grpc.StatusCode.FAILED_PRECONDITION,

@@ -287,6 +287,7 @@ class Session(_session.SessionBase):
                 answer = await self._send(core.request(step, read_only=True), step[3], timeout)
             except grpc.RpcError as e:
                 if not core.may_recreate(e):
+                    core.retry_failed(e)
                     raise
                 answer = await self._send(core.recreation(step, applied=True)[0], step[3],
                                           timeout)
@@ -304,11 +305,25 @@ class Session(_session.SessionBase):
                 answer = await self._send(request, step[3], timeout)
                 recreated = True
         except BaseException as e:  # also a cancelled task's: the server may have applied it
-            core.failed(step, e)
-            raise
+            failure = core.create_refused(step, e, await self._info_after(e, timeout))
+            core.failed(step, failure)
+            if failure is e:
+                raise
+            raise failure from e
         core.advance(step, base, answer, recreated=recreated)
         core.succeeded()
         return answer
+
+    async def _info_after(self, error, timeout):
+        """As attention_client.Session._info_after."""
+        if not (isinstance(error, grpc.RpcError) and
+                error.code() == grpc.StatusCode.ALREADY_EXISTS):
+            return None
+        try:
+            return await self._client.get_session(self._core.id, timeout=timeout,
+                                                  affinity=self._core.affinity)
+        except AttentionError:
+            return None
 
     async def _resync(self, timeout):
         """As attention_client.Session._resync."""
@@ -330,7 +345,7 @@ class Session(_session.SessionBase):
             await asyncio.sleep(_session.RESYNC_POLL_S)
         if core.resync(info):  # a stale copy: closed, so that the step recreates the session
             await self._client.close_sessions([core.id], timeout=timeout, affinity=core.affinity)
-            core.succeeded()
+            core.unsure_settled()
 
     async def close(self, *, timeout=...):
         if self._core.closed:

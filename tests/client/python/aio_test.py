@@ -197,8 +197,11 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
     nothing (its answer: the query, and the position); GetSession reports
     the position (idle_ms 0 while a "late" message holds the session),
     CloseSessions closes those it holds, and unary Attend is "answer",
-    "late", "deadline", "applied deadline" or "no model" by `behave(0, n)`.
-    NOT_FOUND messages are the server's."""
+    "late", "deadline", "applied deadline", "applied unavailable" (an answer
+    lost with the connection: gRPC sends the call again) or "no model" by
+    `behave(0, n)`. With refuse_open_creates, a create of a session it holds
+    is ALREADY_EXISTS, as the server answers it. NOT_FOUND messages are the
+    server's."""
 
     async def asyncSetUp(self):
         self.streams = []  # per stream: (metadata, [requests])
@@ -208,6 +211,7 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.rows = {}  # session id -> its key rows, [1, position, E]
         self.busy = set()
         self.get_session_refusal = None  # GetSession's NOT_FOUND message, when set
+        self.refuse_open_creates = False
 
         async def apply(request, what):
             """The response's bytes to `request` after `what`, or None."""
@@ -217,6 +221,11 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                     code=grpc.StatusCode.NOT_FOUND.value[0],
                     message='model: "x" is not registered (ListModels shows what is)')
                 ).SerializeToString()
+            if self.refuse_open_creates and request.session.create and sid in self.held:
+                return attention_pb2.AttendResponse(status=attention_pb2.Status(
+                    code=grpc.StatusCode.ALREADY_EXISTS.value[0],
+                    message=f'session "{sid}" is already open (position {self.held[sid]}); '
+                            "continue it, or close it first")).SerializeToString()
             if sid not in self.held and not request.session.create:
                 return attention_pb2.AttendResponse(status=attention_pb2.Status(
                     code=grpc.StatusCode.NOT_FOUND.value[0],
@@ -273,8 +282,11 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
 
         async def attend(raw, context):
             self.unary.append(attention_pb2.AttendRequest.FromString(raw))
-            answer = attention_pb2.AttendResponse.FromString(
-                await apply(self.unary[-1], self.behave(0, len(self.unary))))
+            what = self.behave(0, len(self.unary))
+            if what == "applied unavailable":
+                await apply(self.unary[-1], "answer")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "connection lost")
+            answer = attention_pb2.AttendResponse.FromString(await apply(self.unary[-1], what))
             if answer.status.code:
                 await context.abort(attention_client._errors.code_of(answer.status.code),
                                     answer.status.message)
@@ -702,6 +714,70 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.assertTrue(self.streams[-1][1][-1].session.read_only)
         np.testing.assert_array_equal(self.rows["resent"], rows)
         self.assertEqual(session.kept_bytes, 2 * 3 * 4 * 4)
+
+    async def test_a_create_sent_again_after_it_was_applied_is_settled_by_its_retry(self):
+        # The first step's create is applied but its answer lost, and it is
+        # sent again (unary: gRPC's retry of UNAVAILABLE; stream: on a new
+        # stream): refused ALREADY_EXISTS, as the server refuses it, but the
+        # session is the step's own, so the step is ABORTED, and the
+        # caller's retry is answered read-only.
+        self.refuse_open_creates = True
+        for stream in (False, True):
+            with self.subTest(stream=stream):
+                self.unary, self.streams = [], []
+                sid = f"resent-create-{stream}"
+                session = self.client.session(sid, num_heads=1, stream=stream, keep_rows=True)
+                self.behave = lambda st, message: {(0, 1): "applied unavailable",
+                                                   (1, 1): "applied unknown"}.get(
+                    (st, message), "answer")
+                rows = randn(74, 1, 3, 4)
+                with self.assertRaises(attention_client.AttentionError) as e:
+                    await session.step(rows[:, :2])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+                self.assertIn("it holds this step's 2 rows: an earlier attempt of the step",
+                              e.exception.details())
+                self.assertEqual(len(self.sent()), 2)  # the create and its resend
+                answer = await session.step(rows[:, :2])
+                np.testing.assert_array_equal(answer.output, rows[:, :2])
+                self.assertEqual((answer.session_positions, session.position), ([2], 2))
+                self.assertTrue(self.sent()[-1].session.read_only)
+                answer = await session.step(rows[:, 2:3])
+                self.assertEqual((answer.session_positions, session.position), ([3], 3))
+                np.testing.assert_array_equal(self.rows[sid], rows)
+
+    async def test_an_aborted_retry_is_settled_by_the_next_step(self):
+        # The step found applied is retried read-only, but by then the copy
+        # the stand-in holds is stale (one row where three were): ABORTED,
+        # and the next step closes the copy and recreates the session from
+        # the kept rows, the step's among them.
+        for stream in (False, True):
+            with self.subTest(stream=stream):
+                self.unary, self.streams, self.closed = [], [], []
+                sid = f"aborted-retry-{stream}"
+                session = self.client.session(sid, num_heads=1, stream=stream, keep_rows=True)
+
+                def behave(st, message, sid=sid):
+                    if message == 3:  # the read-only retry
+                        self.held[sid] = 1
+                        self.rows[sid] = self.rows[sid][:, :1]
+                    return "applied deadline" if message == 2 else "answer"
+                self.behave = behave
+                rows = randn(75, 1, 3, 4)
+                await session.step(rows[:, :2])
+                with self.assertRaises(attention_client.AttentionError) as e:
+                    await session.step(rows[:, 2:3])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+                with self.assertRaises(attention_client.AttentionError) as e:
+                    await session.step(rows[:, 2:3])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+                self.assertTrue(self.sent()[-1].session.read_only)
+                answer = await session.step(rows[:, 2:3])
+                np.testing.assert_array_equal(answer.output, rows[:, 2:3])
+                self.assertEqual(
+                    (answer.session_positions, session.position, session.recreations),
+                    ([3], 3, 1))
+                self.assertEqual(self.closed[-1][1], [sid])
+                np.testing.assert_array_equal(self.rows[sid], rows)
 
     async def test_a_stale_copy_is_closed_and_recreated_with_kept_rows_else_refused(self):
         # The session moved to another replica and back: this one still holds

@@ -365,6 +365,20 @@ class SessionTest(unittest.TestCase):
                                                self.stateless(rows[:, :, 4:5], rows),
                                                rtol=1e-5, atol=1e-6)
 
+    def assert_retry_recreated(self, c, s, sent, rows):
+        """s.step(rows[:, :, 3:4]), the retry of the step found applied (the
+        4th row), is sent read-only (the next of `sent`), finds no session
+        and recreates it from the kept rows (the one after), the step's row
+        once, answered as the lost answer would have been."""
+        first = len(sent)
+        answer = s.step(rows[:, :, 3:4])
+        self.assertEqual((s.position, s.recreations, c.get_session(s.id).position), (4, 1, 4))
+        self.assertTrue(sent[first].session.read_only)
+        self.assertTrue(sent[first + 1].session.create)
+        np.testing.assert_allclose(answer.output,
+                                   self.stateless(rows[:, :, 3:4], rows[:, :, :4]),
+                                   rtol=1e-5, atol=1e-6)
+
     def test_a_retry_of_a_session_lost_since_its_step_was_applied_recreates_it(self):
         # The 2nd request's answer is lost after the server applied it; the
         # session is gone before the retry: the retry, read-only, is
@@ -381,18 +395,87 @@ class SessionTest(unittest.TestCase):
                 s.step(rows[:, :, :3])
                 with self.assertRaises(AttentionError):
                     s.step(rows[:, :, 3:4])
-                answer = s.step(rows[:, :, 3:4])
-                self.assertEqual((s.position, s.recreations, c.get_session(s.id).position),
-                                 (4, 1, 4))
-                self.assertTrue(sent[2].session.read_only)
-                self.assertTrue(sent[3].session.create)
-                np.testing.assert_allclose(
-                    answer.output, self.stateless(rows[:, :, 3:4], rows[:, :, :4]),
-                    rtol=1e-5, atol=1e-6)
+                self.assert_retry_recreated(c, s, sent, rows)
                 answer = s.step(rows[:, :, 4:5])
                 self.assertEqual(answer.session_positions, [5])
                 np.testing.assert_allclose(answer.output, self.stateless(rows[:, :, 4:5], rows),
                                            rtol=1e-5, atol=1e-6)
+
+    def test_a_create_sent_again_after_it_was_applied_is_settled_by_its_retry(self):
+        # A create applied but its answer lost, and sent again (as gRPC sends
+        # a step again after its connection failed): the server refuses it
+        # ALREADY_EXISTS, but the session is the step's own, so the step is
+        # ABORTED and its retry is answered read-only. The first step's
+        # create (1st call), then a recreation's (4th, after the 3rd is
+        # NOT_FOUND).
+        rows = randn(24, 1, 2, 5, 8)
+        with attention_client.Client(server.target, timeout=30) as c:
+            def around(n, send):
+                if n in (1, 4):
+                    send()  # applied, its answer lost
+                return send()
+            sent = self.interpose(c, around)
+            with c.session(causal="bottom_right", keep_rows=True) as s:
+                with self.assertRaises(AttentionError) as e:
+                    s.step(rows[:, :, :3])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+                self.assertIn("is already open (position 3)", e.exception.details())
+                self.assertIn("an earlier attempt of the step, whose answer was lost, created it",
+                              e.exception.details())
+                answer = s.step(rows[:, :, :3])
+                self.assertTrue(sent[1].session.read_only)
+                self.assertEqual((s.position, c.get_session(s.id).position), (3, 3))
+                np.testing.assert_allclose(answer.output,
+                                           self.stateless(rows[:, :, :3], rows[:, :, :3]),
+                                           rtol=1e-5, atol=1e-6)
+                c.close_sessions([s.id])
+                with self.assertRaises(AttentionError) as e:
+                    s.step(rows[:, :, 3:4])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+                self.assertIn("it holds this step's 4 rows", e.exception.details())
+                self.assertTrue(sent[3].session.create)
+                answer = s.step(rows[:, :, 3:4])
+                self.assertTrue(sent[4].session.read_only)
+                self.assertEqual((s.position, c.get_session(s.id).position), (4, 4))
+                np.testing.assert_allclose(answer.output,
+                                           self.stateless(rows[:, :, 3:4], rows[:, :, :4]),
+                                           rtol=1e-5, atol=1e-6)
+                answer = s.step(rows[:, :, 4:5])
+                self.assertEqual(answer.session_positions, [5])
+                np.testing.assert_allclose(answer.output, self.stateless(rows[:, :, 4:5], rows),
+                                           rtol=1e-5, atol=1e-6)
+            with self.assertRaises(AttentionError) as e:
+                c.get_session(s.id)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)  # closed
+
+    def test_an_aborted_retry_is_settled_by_the_next_step(self):
+        # The 2nd request is applied, its answer lost; before the read-only
+        # retry (3rd) the session is a stale copy of 1 row, as a replica
+        # keeps one while the session lives elsewhere: the retry is ABORTED,
+        # and the next step closes the copy and recreates the session from
+        # the kept rows, the step's among them.
+        rows = randn(25, 1, 2, 5, 8)
+        with attention_client.Client(server.target, timeout=30) as c:
+            real = c._attend
+
+            def around(n, send):
+                if n == 3:
+                    sid = sent[-1].session.ids[0]
+                    c.close_sessions([sid])
+                    stale = attention_pb2.SessionSpec(ids=[sid], positions=[0], create=True)
+                    real(_request.build(rows[:, :, :1], None, None, {"causal": "bottom_right"},
+                                        stale)[0])
+                return self.lose_answer(n, send)
+            sent = self.interpose(c, around)
+            with c.session(causal="bottom_right", keep_rows=True) as s:
+                s.step(rows[:, :, :3])
+                with self.assertRaises(AttentionError):
+                    s.step(rows[:, :, 3:4])
+                with self.assertRaises(AttentionError) as e:
+                    s.step(rows[:, :, 3:4])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+                self.assertTrue(sent[2].session.read_only)
+                self.assert_retry_recreated(c, s, sent, rows)
 
     def test_another_writers_step_of_the_same_count_is_not_taken_for_a_lost_one(self):
         # The 2nd request never reaches the server (its outcome unknown to
