@@ -230,7 +230,7 @@ class Session(_session.SessionBase):
                                                           core.affinity), step[3])
                 recreated = True
         except BaseException as e:
-            failure = core.create_refused(step, e, self._info_after(e, timeout))
+            failure = self._failure(step, e, timeout)
             core.failed(step, failure)
             if failure is e:
                 raise
@@ -239,17 +239,18 @@ class Session(_session.SessionBase):
         core.succeeded()
         return answer
 
-    def _info_after(self, error, timeout):
-        """After a step refused ALREADY_EXISTS, the server's SessionInfo
-        (None: it has no such session, or could not say); else None, unasked."""
-        if not (isinstance(error, grpc.RpcError) and
-                error.code() == grpc.StatusCode.ALREADY_EXISTS):
-            return None
+    def _failure(self, step, error, timeout):
+        """What the step that raised `error` fails with: `error`, unless its
+        create was refused ALREADY_EXISTS, then after asking the server
+        (GetSession) as _session.SessionCore.create_refused says."""
+        if not _session.refused_create(error):
+            return error
         try:
-            return self._client.get_session(self._core.id, timeout=timeout,
+            info = self._client.get_session(self._core.id, timeout=timeout,
                                             affinity=self._core.affinity)
         except AttentionError:
-            return None
+            info = None
+        return self._core.create_refused(step, error, info)
 
     def _resync(self, timeout):
         """Where the server has the session, once no request holds it (or the

@@ -48,6 +48,12 @@ def not_found(error, session_id):
             (error.details() or "").startswith(f'session "{session_id}"'))
 
 
+def refused_create(error):
+    """Whether a step failed ALREADY_EXISTS: its create was refused
+    (SessionCore.create_refused says what that may mean)."""
+    return isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
 # While a request holds the session (GetSession's idle_ms 0) the one whose
 # outcome is unknown may still be appending: its wait between GetSessions.
 RESYNC_POLL_S = 0.02
@@ -267,17 +273,14 @@ class SessionCore:
             self.resync_needed = True
 
     def create_refused(self, step, error, info):
-        """The error `step` fails with after `error`: `error` itself unless
-        it is ALREADY_EXISTS, which only a create (the first step's, or a
+        """The error `step` fails with after `error`, ALREADY_EXISTS
+        (refused_create), which only a create (the first step's, or a
         recreation's) gets. gRPC sends a step again when its connection
         fails (so does a stream session), and a create whose first attempt
         was applied is refused so: unless the session is another's, the step
         fails ABORTED instead, an outcome unknown that the next step settles.
         `info`: the server's SessionInfo, asked after the refusal (None: it
         has no such session, or could not say)."""
-        if not (isinstance(error, grpc.RpcError) and
-                error.code() == grpc.StatusCode.ALREADY_EXISTS):
-            return error
         rows = (self.position if self.created else 0) + (self._count(step) or 0)
         if info is not None and info.idle_ms != 0:
             # Ours only if it names this step as the last that appended (a

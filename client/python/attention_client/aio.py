@@ -305,7 +305,7 @@ class Session(_session.SessionBase):
                 answer = await self._send(request, step[3], timeout)
                 recreated = True
         except BaseException as e:  # also a cancelled task's: the server may have applied it
-            failure = core.create_refused(step, e, await self._info_after(e, timeout))
+            failure = await self._failure(step, e, timeout)
             core.failed(step, failure)
             if failure is e:
                 raise
@@ -314,16 +314,16 @@ class Session(_session.SessionBase):
         core.succeeded()
         return answer
 
-    async def _info_after(self, error, timeout):
-        """As attention_client.Session._info_after."""
-        if not (isinstance(error, grpc.RpcError) and
-                error.code() == grpc.StatusCode.ALREADY_EXISTS):
-            return None
+    async def _failure(self, step, error, timeout):
+        """As attention_client.Session._failure."""
+        if not _session.refused_create(error):
+            return error
         try:
-            return await self._client.get_session(self._core.id, timeout=timeout,
+            info = await self._client.get_session(self._core.id, timeout=timeout,
                                                   affinity=self._core.affinity)
         except AttentionError:
-            return None
+            info = None
+        return self._core.create_refused(step, error, info)
 
     async def _resync(self, timeout):
         """As attention_client.Session._resync."""
