@@ -282,13 +282,19 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
     if (SessionNotFound(answer.status(), id()) && keys_ != nullptr) {
       answer = Recreate(request, /*step_kept=*/true);
       if (answer.ok()) Settled();
+      // A recreation sent again after its first attempt was applied: the
+      // kept rows, position_ of them, hold the step's.
+      if (answer.status().code() == absl::StatusCode::kAlreadyExists) {
+        answer = CreateRefused(request.session().step_id(), position_, answer.status());
+      }
     }
     // Otherwise the retry appended nothing, so nothing is unsure; applied_
     // stays, so that the same rows sent again are a retry again (after a
     // recreation whose outcome is unknown too: read-only if it was applied,
     // else NOT_FOUND and recreated). ABORTED: the session is no longer
     // where the step left it (another writer's rows, or a stale copy on a
-    // replica it moved back to), so the next step asks first.
+    // replica it moved back to; or, above, this recreation's own), so the
+    // next step asks first.
     if (answer.status().code() == absl::StatusCode::kAborted) resync_needed_ = true;
     return answer;
   }

@@ -569,6 +569,46 @@ TEST_F(SessionTest, ACreateSentAgainAfterItWasAppliedIsSettledByItsRetry) {
   }
 }
 
+// The read-only retry of a step found applied, when the session is lost
+// before it: the kept rows recreate it, and when that recreation is applied
+// but its answer lost and the create sent again (ALREADY_EXISTS), the retry
+// is ABORTED and the next one gets the answer. Before, it failed
+// ALREADY_EXISTS, which says the id is another's.
+TEST_F(SessionTest, ARetrysRecreationSentAgainAfterItWasAppliedIsSettledByTheNextRetry) {
+  for (const bool stream : {false, true}) {
+    for (const bool step_ids : {true, false}) {
+      SCOPED_TRACE(absl::StrCat("stream ", stream, ", step ids ", step_ids));
+      FakeAttentionServer server;
+      server.set_report_step_ids(step_ids);
+      std::unique_ptr<AttentionClient> client = ClientOf(server);
+      ASSERT_NE(client, nullptr);
+      std::unique_ptr<Session> s = Open("re-resent", /*keep_rows=*/true, stream, client.get());
+      ASSERT_NE(s, nullptr);
+      ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
+      server.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+      EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+                  StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+      // GetSession finds the step applied; the session is lost before its
+      // read-only retry (call 3); the recreation (call 4) is applied, its
+      // answer lost, and the create sent again.
+      server.DropSessionsAtCall(3);
+      server.LoseAnswerOfCall(4, grpc::StatusCode::UNAVAILABLE);
+      EXPECT_THAT(s->Step(Rows(1, 4, 8)),
+                  StatusIs(absl::StatusCode::kAborted, HasSubstr("it holds this step's 3 rows")));
+      absl::StatusOr<v1::AttendResponse> again = s->Step(Rows(1, 4, 8));
+      ASSERT_THAT(again, IsOk());
+      EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
+      EXPECT_THAT(again->session_positions(), ElementsAre(3));
+      EXPECT_EQ(s->position(), 3);
+      ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
+      EXPECT_EQ(server.session_keys("re-resent"),
+                Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
+      ASSERT_THAT(s->Close(), IsOk());
+      EXPECT_EQ(server.open_sessions(), 0);
+    }
+  }
+}
+
 // The natural retry of a step whose answer was lost: the same rows again.
 // Once the server turns out to have applied them, the retry is sent
 // read-only, so the rows are appended once and the answer is the lost one.

@@ -209,9 +209,16 @@ class Session(_session.SessionBase):
                     raise
                 # The session lost since its step was applied: made again
                 # from the kept rows, which hold the step's.
-                raw = self._client._call(self._client._attend,
-                                         core.recreation(step, applied=True)[0], timeout,
-                                         core.affinity)
+                try:
+                    raw = self._client._call(self._client._attend,
+                                             core.recreation(step, applied=True)[0], timeout,
+                                             core.affinity)
+                except grpc.RpcError as e:
+                    failure = self._failure(step, e, timeout, applied=True)
+                    core.retry_failed(failure)
+                    if failure is e:
+                        raise
+                    raise failure from e
                 core.recreations += 1
             answer = _wire.decode(raw, step[3])
             core.succeeded()
@@ -239,10 +246,11 @@ class Session(_session.SessionBase):
         core.succeeded()
         return answer
 
-    def _failure(self, step, error, timeout):
+    def _failure(self, step, error, timeout, applied=False):
         """What the step that raised `error` fails with: `error`, unless its
         create was refused ALREADY_EXISTS, then after asking the server
-        (GetSession) as _session.SessionCore.create_refused says."""
+        (GetSession) as _session.SessionCore.create_refused says (applied:
+        the create was the recreation of the retry of a step found applied)."""
         if not _session.refused_create(error):
             return error
         try:
@@ -250,7 +258,7 @@ class Session(_session.SessionBase):
                                             affinity=self._core.affinity)
         except AttentionError:
             info = None
-        return self._core.create_refused(step, error, info)
+        return self._core.create_refused(step, error, info, applied)
 
     def _resync(self, timeout):
         """Where the server has the session, once no request holds it (or the

@@ -251,11 +251,14 @@ class SessionCore:
         self.resync_needed = False
 
     def retry_failed(self, error):
-        """After the read-only retry of the step resync found applied raised
-        `error` (and was not recreated): it appended nothing, so nothing is
-        unsure; ABORTED: the session is no longer where the step left it
-        (another writer's rows, or a stale copy on a replica it moved back
-        to), so the next step asks the server first."""
+        """After the read-only retry of the step resync found applied, or the
+        recreation that followed it, raised `error`: the retry appended
+        nothing, and the same retry again settles a recreation (read-only if
+        it was applied, else recreating again), so nothing is unsure.
+        ABORTED: the session is no longer where the step left it (another
+        writer's rows, a stale copy on a replica it moved back to, or the
+        recreation's own, refused when sent again), so the next step asks
+        the server first."""
         if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.ABORTED:
             self.resync_needed = True
 
@@ -272,7 +275,7 @@ class SessionCore:
                 for t in step[:3]) + step[3:])
             self.resync_needed = True
 
-    def create_refused(self, step, error, info):
+    def create_refused(self, step, error, info, applied=False):
         """The error `step` fails with after `error`, ALREADY_EXISTS
         (refused_create), which only a create (the first step's, or a
         recreation's) gets. gRPC sends a step again when its connection
@@ -280,8 +283,12 @@ class SessionCore:
         was applied is refused so: unless the session is another's, the step
         fails ABORTED instead, an outcome unknown that the next step settles.
         `info`: the server's SessionInfo, asked after the refusal (None: it
-        has no such session, or could not say)."""
-        rows = (self.position if self.created else 0) + (self._count(step) or 0)
+        has no such session, or could not say). applied: `step` is the retry
+        of the step resync found applied, whose rows the position counts."""
+        if applied:
+            rows = self.position
+        else:
+            rows = (self.position if self.created else 0) + (self._count(step) or 0)
         if info is not None and info.idle_ms != 0:
             # Ours only if it names this step as the last that appended (a
             # server that names none: by the count alone).

@@ -289,8 +289,15 @@ class Session(_session.SessionBase):
                 if not core.may_recreate(e):
                     core.retry_failed(e)
                     raise
-                answer = await self._send(core.recreation(step, applied=True)[0], step[3],
-                                          timeout)
+                try:
+                    answer = await self._send(core.recreation(step, applied=True)[0], step[3],
+                                              timeout)
+                except grpc.RpcError as e:
+                    failure = await self._failure(step, e, timeout, applied=True)
+                    core.retry_failed(failure)
+                    if failure is e:
+                        raise
+                    raise failure from e
                 core.recreations += 1
             core.succeeded()
             return answer
@@ -314,7 +321,7 @@ class Session(_session.SessionBase):
         core.succeeded()
         return answer
 
-    async def _failure(self, step, error, timeout):
+    async def _failure(self, step, error, timeout, applied=False):
         """As attention_client.Session._failure."""
         if not _session.refused_create(error):
             return error
@@ -323,7 +330,7 @@ class Session(_session.SessionBase):
                                                   affinity=self._core.affinity)
         except AttentionError:
             info = None
-        return self._core.create_refused(step, error, info)
+        return self._core.create_refused(step, error, info, applied)
 
     async def _resync(self, timeout):
         """As attention_client.Session._resync."""

@@ -448,6 +448,38 @@ class SessionTest(unittest.TestCase):
                 c.get_session(s.id)
             self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)  # closed
 
+    def test_a_retrys_recreation_sent_again_after_it_was_applied_is_settled_by_the_next(self):
+        # The 2nd request is applied, its answer lost; the session is gone
+        # before the read-only retry (3rd), so the retry recreates it (4th),
+        # and that create is applied, its answer lost, and sent again: the
+        # server refuses it ALREADY_EXISTS, but the session is the retry's
+        # own, so the retry is ABORTED and the next one is answered read-only.
+        rows = randn(26, 1, 2, 5, 8)
+        with attention_client.Client(server.target, timeout=30) as c:
+            def around(n, send):
+                if n == 3:
+                    c.close_sessions([sent[-1].session.ids[0]])
+                if n == 4:
+                    send()  # applied, its answer lost
+                return self.lose_answer(n, send)
+            sent = self.interpose(c, around)
+            with c.session(causal="bottom_right", keep_rows=True) as s:
+                s.step(rows[:, :, :3])
+                with self.assertRaises(AttentionError):
+                    s.step(rows[:, :, 3:4])
+                with self.assertRaises(AttentionError) as e:
+                    s.step(rows[:, :, 3:4])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.ABORTED)
+                self.assertIn("it holds this step's 4 rows", e.exception.details())
+                self.assertEqual((sent[2].session.read_only, sent[3].session.create),
+                                 (True, True))
+                answer = s.step(rows[:, :, 3:4])
+                self.assertTrue(sent[4].session.read_only)
+                self.assertEqual((s.position, c.get_session(s.id).position), (4, 4))
+                np.testing.assert_allclose(answer.output,
+                                           self.stateless(rows[:, :, 3:4], rows[:, :, :4]),
+                                           rtol=1e-5, atol=1e-6)
+
     def test_an_aborted_retry_is_settled_by_the_next_step(self):
         # The 2nd request is applied, its answer lost; before the read-only
         # retry (3rd) the session is a stale copy of 1 row, as a replica
