@@ -7,6 +7,7 @@
 #include "absl/time/time.h"
 #include "client/tensors.h"
 #include "gmock/gmock.h"
+#include "grpcpp/channel.h"
 #include "gtest/gtest.h"
 #include "tests/client/fake_server.h"
 #include "tests/status_matchers.h"
@@ -20,6 +21,10 @@ using ::attention::testing::IsOkAndHolds;
 using ::attention::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+
+// How long a test with a short client timeout waits for the connection
+// before its first call.
+constexpr absl::Duration kConnect = absl::Seconds(30);
 
 class AttentionClientTest : public ::testing::Test {
  protected:
@@ -225,6 +230,8 @@ TEST_F(AttentionClientTest, AStreamsTimeoutIsPerMessage) {
   options.timeout = absl::Milliseconds(300);
   std::unique_ptr<AttentionClient> client = Connect(options);
   ASSERT_NE(client, nullptr);
+  // Connected first: 300ms bounds the messages, not a (sanitized) handshake.
+  ASSERT_TRUE(client->channel()->WaitForConnected(absl::ToChronoTime(absl::Now() + kConnect)));
   std::unique_ptr<AttendStream> stream = client->OpenStream();
   ASSERT_THAT(stream->Call(StreamRequest("r1", 0)), IsOk());
   absl::SleepFor(absl::Milliseconds(400));
@@ -270,6 +277,7 @@ TEST(AttentionClientStreamLimitTest, AStreamThatCannotStartSaysWhy) {
   options.timeout = absl::Milliseconds(300);
   absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
   ASSERT_THAT(client, IsOk());
+  ASSERT_TRUE((*client)->channel()->WaitForConnected(absl::ToChronoTime(absl::Now() + kConnect)));
   std::unique_ptr<AttendStream> first = (*client)->OpenStream();
   ASSERT_THAT(first->Call(StreamRequest("r1", 0)), IsOk());
   std::unique_ptr<AttendStream> second = (*client)->OpenStream();

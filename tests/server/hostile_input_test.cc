@@ -1015,19 +1015,29 @@ double Counter(AttentionServer& server, const std::string& series) {
 }
 
 // A call whose deadline passes while it computes stops there: its work is
-// dropped between work items and the cores are free for the next call.
-// Self-attention over 32768 positions takes seconds; its request is 8 MiB.
+// dropped between work items and the cores are free for the next call. Its
+// request is 1 MiB, so it computes well before its 2 s deadline, even in a
+// sanitizer build; its work, an additive score over 65536 x 65536 pairs,
+// takes two minutes on a 2-core AVX2 host, so the deadline passes while it
+// computes on any CPU; and its work items, 64 query rows each, are short
+// (tens of milliseconds), so it stops soon after.
 TEST(LongSequenceTest, ACallPastItsDeadlineStopsComputing) {
   absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start();
   ASSERT_THAT(server, IsOk());
   client::ClientOptions hasty;
   hasty.target = (*server)->server().address();
-  hasty.timeout = absl::Seconds(1);
+  hasty.timeout = absl::Seconds(2);
   absl::StatusOr<std::unique_ptr<client::AttentionClient>> caller =
       client::AttentionClient::Create(hasty);
   ASSERT_THAT(caller, IsOk());
   v1::AttendRequest request;
-  *request.mutable_query() = Ramp({1, 32768, 64});
+  *request.mutable_query() = Ramp({1, 65536, 4});
+  request.set_need_weights(false);
+  v1::Score* score = request.mutable_score();
+  score->set_kind(v1::Score::ADDITIVE);
+  *score->mutable_w_q() = Ramp({8, 4});
+  *score->mutable_w_k() = Ramp({8, 4});
+  *score->mutable_w_v() = Ramp({8});
   const absl::Time start = absl::Now();
   EXPECT_THAT((*caller)->Attend(request),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));

@@ -191,7 +191,8 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
     unanswered), "unavailable", "unknown", "cancelled" or "internal" (ends
     so, unanswered; "slow unavailable" after 0.2 s, "applied unknown" once
     the message is applied), "hang" (never answered), "late" (applied, then
-    answered after 0.5 s), "deadline" (DEADLINE_EXCEEDED, "applied deadline"
+    held unanswered until the caller gives up, setting `late_applied`
+    once applied), "deadline" (DEADLINE_EXCEEDED, "applied deadline"
     once applied: an answer lost) or "no model" (NOT_FOUND naming the model,
     not the session). The stand-in holds each session's position and key
     rows as the server does: a message at another position is answered
@@ -214,6 +215,7 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.busy = set()
         self.get_session_refusal = None  # GetSession's NOT_FOUND message, when set
         self.refuse_open_creates = False
+        self.late_applied = asyncio.Event()
 
         async def apply(request, what):
             """The response's bytes to `request` after `what`, or None."""
@@ -254,8 +256,9 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 return deadline
             if what == "late":
                 self.busy.add(sid)
+                self.late_applied.set()
                 try:
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(60)  # the caller cancels it first
                 finally:  # also when the call is cancelled
                     self.busy.discard(sid)
             return attention_pb2.AttendResponse(
@@ -512,6 +515,21 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 np.frombuffer(sent.key.data, np.float32).reshape(sent.key.shape),
                 np.concatenate([rows, more], axis=1))
 
+    async def cancel_once_applied(self, step):
+        """Runs the coroutine `step`, a "late" one, and cancels it once the
+        stand-in has applied it (as asyncio.wait_for would past its timeout),
+        then waits until the stand-in no longer holds it."""
+        self.late_applied.clear()
+        task = asyncio.ensure_future(step)
+        await asyncio.wait_for(self.late_applied.wait(), 30)
+        task.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await task
+        for _ in range(3000):
+            if not self.busy:
+                break
+            await asyncio.sleep(0.01)
+
     async def test_a_cancelled_step_the_server_applied_is_resynced(self):
         # Unary steps and steps on a stream; the task cancelled (wait_for) or
         # the step past its own timeout, after the stand-in applied it.
@@ -526,11 +544,10 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 rows = randn(98, 1, 4, 4)
                 await session.step(rows[:, :2])
                 if cancel:
-                    with self.assertRaises(asyncio.TimeoutError):
-                        await asyncio.wait_for(session.step(rows[:, 2:3]), 0.2)
-                else:
+                    await self.cancel_once_applied(session.step(rows[:, 2:3]))
+                else:  # the stand-in applies it within 1 s, then holds it
                     with self.assertRaises(attention_client.AttentionError) as e:
-                        await session.step(rows[:, 2:3], timeout=0.2)
+                        await session.step(rows[:, 2:3], timeout=1)
                     self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
                 self.assertEqual(self.held[session.id], 3)  # applied all the same
                 await self.check_resynced(session, rows, session.step, keep_rows)
@@ -547,7 +564,8 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 rows = randn(97, 1, 4, 4)
                 await step(rows[:, :2])
                 with self.assertRaises(attention_client.AttentionError) as e:
-                    await step(rows[:, 2:3], timeout=0.2)
+                    await step(rows[:, 2:3], timeout=1)  # applied within it, then held
+                self.assertEqual(self.held[session.id], 3)
                 self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
                 await self.check_resynced(session, rows, step, keep_rows)
                 await asyncio.to_thread(session.close)
@@ -557,9 +575,7 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.behave = lambda st, message: "late" if message == 2 else "answer"
         rows = randn(95, 1, 4, 4)
         await session.step(rows[:, :2])
-        with self.assertRaises(asyncio.TimeoutError):
-            await asyncio.wait_for(session.step(rows[:, 2:3]), 0.2)
-        await asyncio.sleep(0.6)
+        await self.cancel_once_applied(session.step(rows[:, 2:3]))
         # Not the server's "no such session" (which would settle the step as
         # not applied): raised, nothing sent, asked again at the next step.
         self.get_session_refusal = "no route to attention.v1.AttentionService"
@@ -577,9 +593,7 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.behave = lambda st, message: "late" if message == 2 else "answer"
         rows = randn(96, 1, 4, 4)
         await session.step(rows[:, :2])
-        with self.assertRaises(asyncio.TimeoutError):
-            await asyncio.wait_for(session.step(rows[:, 2:3]), 0.2)
-        await asyncio.sleep(0.6)
+        await self.cancel_once_applied(session.step(rows[:, 2:3]))
         self.held["diverged"] += 5  # another writer's rows
         for _ in range(2):
             with self.assertRaises(attention_client.AttentionError) as e:
