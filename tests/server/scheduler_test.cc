@@ -350,10 +350,10 @@ TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
   EXPECT_THAT(large.result, testing::IsOk());
 
   // A small job whose batching delay is not up yet waits for it on the
-  // dispatcher too. The delay is long enough that this thread, which takes
-  // due jobs inline once `again` is done, cannot find it due first, however
-  // slowly a loaded or instrumented machine gets it there.
-  Job wait = MakeJob(&delayed, /*max_batch=*/4, absl::Milliseconds(250));
+  // dispatcher too. This thread takes due jobs inline once `again` is done,
+  // a few statements after `wait` is queued: the delay is long enough that it
+  // cannot find `wait` due first unless it stalls for a second there.
+  Job wait = MakeJob(&delayed, /*max_batch=*/4, absl::Seconds(1));
   wait.inline_when_idle = true;
   wait.done = Recording(&delayed, &delayed_on);
   Job again = submitting(&second, &second_on, wait);
@@ -361,7 +361,7 @@ TEST_F(SchedulerTest, AnInlineJobLeavesLargeOrNotYetDueJobsToTheDispatcher) {
   delayed.done.WaitForNotification();
   EXPECT_NE(delayed_on, std::this_thread::get_id());
   EXPECT_THAT(delayed.result, testing::IsOk());
-  EXPECT_GE(delayed.timing.queue_us, 250000);
+  EXPECT_GE(delayed.timing.queue_us, 1000000);
 }
 
 TEST_F(SchedulerTest, SmallJobsComputeInlineSideBySideUpToMaxInline) {
