@@ -22,11 +22,13 @@ struct EngineCall {
   const AttentionArgs* args = nullptr;
   const MultiheadAttention* layer = nullptr;
   // Polled while the call computes, between its work items (a block of 64
-  // query rows of one head: milliseconds at most), from any compute thread:
-  // a non-OK status stops the call's remaining work and becomes its result
-  // (a server's CANCELLED when the caller left, DEADLINE_EXCEEDED when its
-  // deadline passed). May be null. The reference backend polls it as often
-  // (before each block of 64 query rows of each head).
+  // query rows of one head: milliseconds at most), and with an additive
+  // score (whose item computes its hidden layer for every key: seconds over
+  // a wide one) also within them, per query row of each block of 512 keys;
+  // from any compute thread: a non-OK status stops the call's remaining work
+  // and becomes its result (a server's CANCELLED when the caller left,
+  // DEADLINE_EXCEEDED when its deadline passed). May be null. The reference
+  // backend polls it before each block of 64 query rows of each head.
   const std::function<absl::Status()>* interrupt = nullptr;
   // Keys and values kept between calls (engine/kv_cache.h); null: none.
   // Must stay valid, and its caches used by no other call, until the call's

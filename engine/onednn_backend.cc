@@ -16,21 +16,23 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <optional>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/half.h"
 #include "engine/backend.h"
 #include "engine/cost.h"
-#include "common/half.h"
 #include "engine/internal.h"
 #include "engine/kernels.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -461,6 +463,9 @@ struct Problem {
   Masks masks;
   HeadIndexer out_ix;
   int64_t group = 1;  // query heads per key head
+  // The call's interrupt (EngineCall::interrupt; may be null): polled
+  // between work items, and by the additive score per row of a key block.
+  const std::function<absl::Status()>* interrupt = nullptr;
 
   int64_t KeyHead(int64_t h) const { return h / group; }
   int64_t KeyBatch(int64_t b) const { return key_batches == 1 ? 0 : b; }
@@ -606,6 +611,12 @@ Problem Prepare(const AttentionArgs& a, const AttentionShape& s, bool cpu_bf16, 
   return p;
 }
 
+// Thrown out of a work item by a non-OK poll of the call's interrupt inside
+// it; the item's Guarded returns the status.
+struct Interrupted {
+  absl::Status status;
+};
+
 // Scores of rows [i0, i0 + m) of head (b, h) against keys [j0, j0 + n), scaled
 // and masked, into s (row stride ld).
 void Scores(const Problem& p, MatmulCache& cache, ThreadContext& t, int64_t b, int64_t h,
@@ -642,6 +653,14 @@ void Scores(const Problem& p, MatmulCache& cache, ThreadContext& t, int64_t b, i
         break;
       }
       case ScoreKind::kAdditive: {
+        // n x hidden units per row: a block of 64 query rows over a wide
+        // hidden layer and thousands of keys takes seconds, so the call is
+        // stopped part way through it.
+        if (p.interrupt != nullptr) {
+          if (absl::Status status = (*p.interrupt)(); !status.ok()) {
+            throw Interrupted{std::move(status)};
+          }
+        }
         const int64_t bq = p.qf.ix.batch_stride == 0 ? 0 : b;
         const float* aq = p.add_q + ((bq * p.s.heads + h) * p.s.query_len + i) * p.hidden;
         for (int64_t j = 0; j < n; ++j) {
@@ -848,6 +867,7 @@ class OneDnnBackend final : public ComputeBackend {
         results[c] = absl::ResourceExhaustedError("engine: out of memory for this request");
       }
       if (!results[c].ok()) continue;
+      problems[c].interrupt = calls[c].interrupt;
       for (int64_t i = 0; i < layouts[c].items; ++i) items.push_back({c, i});
     }
     const int64_t total = static_cast<int64_t>(items.size());
@@ -952,6 +972,8 @@ class OneDnnBackend final : public ComputeBackend {
       return absl::InternalError(absl::StrCat("oneDNN: ", e.what()));
     } catch (const std::bad_alloc&) {
       return absl::ResourceExhaustedError("engine: out of memory for this request");
+    } catch (Interrupted& e) {
+      return std::move(e.status);
     }
   }
 

@@ -385,9 +385,10 @@ TEST(EngineNanTest, ANanInAQueryMakesItsRowNanAndNoOther) {
   }
 }
 
-// The reference backend polls a call's interrupt as the oneDNN backend does,
-// before each block of 64 query rows of each head, not only before the call:
-// a caller that left, or a deadline that passed, stops a long call part way.
+// The reference backend polls a call's interrupt as the oneDNN backend does
+// between its work items, before each block of 64 query rows of each head,
+// not only before the call: a caller that left, or a deadline that passed,
+// stops a long call part way.
 TEST(ReferenceInterruptTest, StopsPartWayAtTheFirstNonOkPoll) {
   auto engine = Engine::Create(EngineOptions{.backend = Backend::kReference});
   ASSERT_TRUE(engine.ok()) << engine.status();
@@ -430,6 +431,58 @@ TEST(ReferenceInterruptTest, StopsPartWayAtTheFirstNonOkPoll) {
     ASSERT_EQ(stopped.size(), 1u);
     EXPECT_EQ(stopped[0].status(), stop);
     EXPECT_EQ(polls, 5);
+  }
+}
+
+// An additive score's work item (64 query rows of one head) computes its
+// hidden layer for every key: over a wide one and thousands of keys, for
+// seconds. The oneDNN backend also polls the interrupt within it, per row of
+// each block of keys, so such a call stops part way through its one item.
+TEST(OneDnnInterruptTest, AnAdditiveScoreIsStoppedWithinAWorkItem) {
+  auto engine = Engine::Create(EngineOptions{.backend = Backend::kOneDnn});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  constexpr int64_t L = 8, S = 1024, E = 4, kHidden = 16;  // one work item
+  const Owned q = Random({1, L, E}, 1), k = Random({1, S, E}, 2), v = Random({1, S, E}, 3);
+  const Owned w_q = Random({kHidden, E}, 4), w_k = Random({kHidden, E}, 5),
+              w_v = Random({kHidden}, 6);
+  AttentionArgs a;
+  a.query = q.view();
+  a.key = k.view();
+  a.value = v.view();
+  a.score.kind = ScoreKind::kAdditive;
+  a.score.w_q = w_q.view();
+  a.score.w_k = w_k.view();
+  a.score.w_v = w_v.view();
+  for (const bool need_weights : {false, true}) {
+    SCOPED_TRACE(need_weights ? "weights" : "fused");
+    a.need_weights = need_weights;
+    // Never interrupted: the answer is the one computed without an interrupt.
+    int polls = 0;
+    const std::function<absl::Status()> count = [&] {
+      ++polls;
+      return absl::OkStatus();
+    };
+    std::vector<absl::StatusOr<AttentionResult>> whole =
+        (*engine)->AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &count}});
+    ASSERT_EQ(whole.size(), 1u);
+    ASSERT_TRUE(whole[0].ok()) << whole[0].status();
+    EXPECT_GT(polls, 1);  // before the item, and within it
+    absl::StatusOr<AttentionResult> plain = (*engine)->Attend(a);
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    EXPECT_EQ(whole[0]->output.data, plain->output.data);
+    EXPECT_EQ(whole[0]->weights.data, plain->weights.data);
+
+    // Stopped at the first poll inside the item (the second in all).
+    polls = 0;
+    const absl::Status stop = absl::DeadlineExceededError("deadline");
+    const std::function<absl::Status()> stop_at_second = [&] {
+      return ++polls >= 2 ? stop : absl::OkStatus();
+    };
+    std::vector<absl::StatusOr<AttentionResult>> stopped =
+        (*engine)->AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &stop_at_second}});
+    ASSERT_EQ(stopped.size(), 1u);
+    EXPECT_EQ(stopped[0].status(), stop);
+    EXPECT_EQ(polls, 2);
   }
 }
 
