@@ -40,10 +40,11 @@ fail() { server_fail "fault_test: $*"; }
 server_start "$server_bin" "$tmp"
 server_wait_serving "$cli_bin"
 port=$SERVER_PORT
-# 10 s: the restart (1.5 s after the kill, plus the server's start, which
+# 14 s: the restart (1.5 s after the kill, plus the server's start, which
 # under ASan on a loaded machine takes a second or two) and the channels'
-# reconnect (up to 2 s) are well over before the run's last second.
-"$loadtest_bin" --target "127.0.0.1:$port" --model demo --concurrency 4 --duration 10s \
+# reconnect (up to 2 s) are over before the run's last second with seconds
+# to spare.
+"$loadtest_bin" --target "127.0.0.1:$port" --model demo --concurrency 4 --duration 14s \
   --timeout 2s --json "$tmp/kill.json" --progress=false >"$tmp/kill.out" 2>&1 &
 loadtest_pid=$!
 sleep 2
@@ -63,7 +64,7 @@ bad=$(unexpected_errors "$tmp/kill.json" '["UNAVAILABLE"]')
 down=$(jq '.errors.UNAVAILABLE // 0' "$tmp/kill.json")
 (( down > 0 )) || fail "kill -9: no call failed, so the server was not down under load"
 # The last full second of the run (the timeline's last point may be a few ms
-# long), 5 s after the restart: every call succeeds again. With gRPC's default
+# long), 9 s after the restart: every call succeeds again. With gRPC's default
 # reconnect backoff (1 s, x1.6) the channel would still be failing calls then.
 last_second=$(jq -c '.timeline | [range(length) as $i | .[$i]
   + {length_s: (.[$i].t_s - (if $i == 0 then 0 else .[$i - 1].t_s end))}]
