@@ -385,6 +385,42 @@ TEST(EngineNanTest, ANanInAQueryMakesItsRowNanAndNoOther) {
   }
 }
 
+// How often `a`, never interrupted, polls its interrupt (-1: it failed); its
+// answer must be the one computed without an interrupt.
+int PollsWithoutStopping(Engine& engine, const AttentionArgs& a) {
+  int polls = 0;
+  const std::function<absl::Status()> count = [&] {
+    ++polls;
+    return absl::OkStatus();
+  };
+  std::vector<absl::StatusOr<AttentionResult>> whole =
+      engine.AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &count}});
+  absl::StatusOr<AttentionResult> plain = engine.Attend(a);
+  if (whole.size() != 1 || !whole[0].ok() || !plain.ok()) {
+    ADD_FAILURE() << whole.size() << " results; "
+                  << (whole.empty() ? absl::OkStatus() : whole[0].status()) << "; "
+                  << plain.status();
+    return -1;
+  }
+  EXPECT_EQ(whole[0]->output.data, plain->output.data);
+  EXPECT_EQ(whole[0]->weights.data, plain->weights.data);
+  return polls;
+}
+
+// `a` with an interrupt whose `n`-th poll says `stop`: that status is the
+// call's result, and it polls no more.
+void ExpectStoppedAtPoll(Engine& engine, const AttentionArgs& a, int n, const absl::Status& stop) {
+  int polls = 0;
+  const std::function<absl::Status()> stop_at = [&] {
+    return ++polls >= n ? stop : absl::OkStatus();
+  };
+  std::vector<absl::StatusOr<AttentionResult>> stopped =
+      engine.AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &stop_at}});
+  ASSERT_EQ(stopped.size(), 1u);
+  EXPECT_EQ(stopped[0].status(), stop);
+  EXPECT_EQ(polls, n);
+}
+
 // The reference backend polls a call's interrupt as the oneDNN backend does
 // between its work items, before each block of 64 query rows of each head,
 // not only before the call: a caller that left, or a deadline that passed,
@@ -400,37 +436,13 @@ TEST(ReferenceInterruptTest, StopsPartWayAtTheFirstNonOkPoll) {
   a.value = v.view();
   a.num_heads = H;
   a.need_weights = true;
-
-  // Never interrupted: polled once per block of rows of each head of each
-  // batch row, and the answer is the one computed without an interrupt.
-  int polls = 0;
-  const std::function<absl::Status()> count = [&] {
-    ++polls;
-    return absl::OkStatus();
-  };
-  std::vector<absl::StatusOr<AttentionResult>> whole =
-      (*engine)->AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &count}});
-  ASSERT_EQ(whole.size(), 1u);
-  ASSERT_TRUE(whole[0].ok()) << whole[0].status();
-  EXPECT_EQ(polls, B * H * 3);
-  absl::StatusOr<AttentionResult> plain = (*engine)->Attend(a);
-  ASSERT_TRUE(plain.ok()) << plain.status();
-  EXPECT_EQ(whole[0]->output.data, plain->output.data);
-  EXPECT_EQ(whole[0]->weights.data, plain->weights.data);
-
+  // Polled once per block of rows of each head of each batch row.
+  EXPECT_EQ(PollsWithoutStopping(**engine, a), B * H * 3);
   // Interrupted in the middle (the fifth poll: batch row 0, head 1, second
-  // block): that status is the call's result, and it polls no more.
+  // block).
   for (const absl::Status& stop :
        {absl::CancelledError("the caller left"), absl::DeadlineExceededError("deadline")}) {
-    polls = 0;
-    const std::function<absl::Status()> stop_at_fifth = [&] {
-      return ++polls == 5 ? stop : absl::OkStatus();
-    };
-    std::vector<absl::StatusOr<AttentionResult>> stopped =
-        (*engine)->AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &stop_at_fifth}});
-    ASSERT_EQ(stopped.size(), 1u);
-    EXPECT_EQ(stopped[0].status(), stop);
-    EXPECT_EQ(polls, 5);
+    ExpectStoppedAtPoll(**engine, a, 5, stop);
   }
 }
 
@@ -456,33 +468,9 @@ TEST(OneDnnInterruptTest, AnAdditiveScoreIsStoppedWithinAWorkItem) {
   for (const bool need_weights : {false, true}) {
     SCOPED_TRACE(need_weights ? "weights" : "fused");
     a.need_weights = need_weights;
-    // Never interrupted: the answer is the one computed without an interrupt.
-    int polls = 0;
-    const std::function<absl::Status()> count = [&] {
-      ++polls;
-      return absl::OkStatus();
-    };
-    std::vector<absl::StatusOr<AttentionResult>> whole =
-        (*engine)->AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &count}});
-    ASSERT_EQ(whole.size(), 1u);
-    ASSERT_TRUE(whole[0].ok()) << whole[0].status();
-    EXPECT_GT(polls, 1);  // before the item, and within it
-    absl::StatusOr<AttentionResult> plain = (*engine)->Attend(a);
-    ASSERT_TRUE(plain.ok()) << plain.status();
-    EXPECT_EQ(whole[0]->output.data, plain->output.data);
-    EXPECT_EQ(whole[0]->weights.data, plain->weights.data);
-
+    EXPECT_GT(PollsWithoutStopping(**engine, a), 1);  // before the item, and within it
     // Stopped at the first poll inside the item (the second in all).
-    polls = 0;
-    const absl::Status stop = absl::DeadlineExceededError("deadline");
-    const std::function<absl::Status()> stop_at_second = [&] {
-      return ++polls >= 2 ? stop : absl::OkStatus();
-    };
-    std::vector<absl::StatusOr<AttentionResult>> stopped =
-        (*engine)->AttendBatch(std::vector<EngineCall>{{.args = &a, .interrupt = &stop_at_second}});
-    ASSERT_EQ(stopped.size(), 1u);
-    EXPECT_EQ(stopped[0].status(), stop);
-    EXPECT_EQ(polls, 2);
+    ExpectStoppedAtPoll(**engine, a, 2, absl::DeadlineExceededError("deadline"));
   }
 }
 
