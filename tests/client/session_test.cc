@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "client/attention_client.h"
 #include "client/tensors.h"
@@ -78,6 +79,25 @@ class SessionTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
     EXPECT_THAT(client, IsOk());
     return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  // Runs `body` on a server of its own and a keep_rows session `id` of it,
+  // once per kind: unary and stream sessions, each against a server with
+  // and without step ids.
+  void ForEachSessionKind(const std::string& id,
+                          absl::FunctionRef<void(FakeAttentionServer&, Session&)> body) {
+    for (const bool stream : {false, true}) {
+      for (const bool step_ids : {true, false}) {
+        SCOPED_TRACE(absl::StrCat("stream ", stream, ", step ids ", step_ids));
+        FakeAttentionServer server;
+        server.set_report_step_ids(step_ids);
+        std::unique_ptr<AttentionClient> client = ClientOf(server);
+        ASSERT_NE(client, nullptr);
+        std::unique_ptr<Session> s = Open(id, /*keep_rows=*/true, stream, client.get());
+        ASSERT_NE(s, nullptr);
+        body(server, *s);
+      }
+    }
   }
 
   // Moves session `id` on the server one row on, behind its Session's back.
@@ -530,43 +550,34 @@ TEST_F(SessionTest, AStepSentAgainAfterItWasAppliedIsSettledByTheNextStep) {
 // server. Before, a first step was ALREADY_EXISTS for good and Close left
 // the session open, and a recreation's next steps FAILED_PRECONDITION.
 TEST_F(SessionTest, ACreateSentAgainAfterItWasAppliedIsSettledByItsRetry) {
-  for (const bool stream : {false, true}) {
-    for (const bool step_ids : {true, false}) {
-      SCOPED_TRACE(absl::StrCat("stream ", stream, ", step ids ", step_ids));
-      FakeAttentionServer server;
-      server.set_report_step_ids(step_ids);
-      std::unique_ptr<AttentionClient> client = ClientOf(server);
-      ASSERT_NE(client, nullptr);
-      std::unique_ptr<Session> s = Open("created", /*keep_rows=*/true, stream, client.get());
-      ASSERT_NE(s, nullptr);
-      server.LoseAnswerOfCall(1, grpc::StatusCode::UNAVAILABLE);
-      EXPECT_THAT(s->Step(Rows(2, 4, 0)),
-                  StatusIs(absl::StatusCode::kAborted,
-                           HasSubstr("an earlier attempt of the step, whose answer was lost, "
-                                     "created it; send the step again")));
-      absl::StatusOr<v1::AttendResponse> again = s->Step(Rows(2, 4, 0));
-      ASSERT_THAT(again, IsOk());
-      EXPECT_THAT(again->session_positions(), ElementsAre(2));
-      EXPECT_EQ(s->position(), 2);
-      EXPECT_EQ(server.session_keys("created"), Concat({Rows(2, 4, 0)}));
+  ForEachSessionKind("created", [](FakeAttentionServer& server, Session& s) {
+    server.LoseAnswerOfCall(1, grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(s.Step(Rows(2, 4, 0)),
+                StatusIs(absl::StatusCode::kAborted,
+                         HasSubstr("an earlier attempt of the step, whose answer was lost, "
+                                   "created it; send the step again")));
+    absl::StatusOr<v1::AttendResponse> again = s.Step(Rows(2, 4, 0));
+    ASSERT_THAT(again, IsOk());
+    EXPECT_THAT(again->session_positions(), ElementsAre(2));
+    EXPECT_EQ(s.position(), 2);
+    EXPECT_EQ(server.session_keys("created"), Concat({Rows(2, 4, 0)}));
 
-      // The session lost; the step's recreation applied, its answer lost.
-      server.DropSessions();
-      server.LoseAnswerOfCall(server.attend_calls() + 2, grpc::StatusCode::UNAVAILABLE);
-      EXPECT_THAT(s->Step(Rows(1, 4, 8)),
-                  StatusIs(absl::StatusCode::kAborted, HasSubstr("it holds this step's 3 rows")));
-      again = s->Step(Rows(1, 4, 8));
-      ASSERT_THAT(again, IsOk());
-      EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
-      EXPECT_EQ(s->position(), 3);
-      EXPECT_EQ(s->kept_bytes(), 2 * 3 * 4 * 4);
-      ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
-      EXPECT_EQ(server.session_keys("created"),
-                Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
-      ASSERT_THAT(s->Close(), IsOk());
-      EXPECT_EQ(server.open_sessions(), 0);
-    }
-  }
+    // The session lost; the step's recreation applied, its answer lost.
+    server.DropSessions();
+    server.LoseAnswerOfCall(server.attend_calls() + 2, grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(s.Step(Rows(1, 4, 8)),
+                StatusIs(absl::StatusCode::kAborted, HasSubstr("it holds this step's 3 rows")));
+    again = s.Step(Rows(1, 4, 8));
+    ASSERT_THAT(again, IsOk());
+    EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
+    EXPECT_EQ(s.position(), 3);
+    EXPECT_EQ(s.kept_bytes(), 2 * 3 * 4 * 4);
+    ASSERT_THAT(s.Step(Rows(1, 4, 12)), IsOk());
+    EXPECT_EQ(server.session_keys("created"),
+              Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
+    ASSERT_THAT(s.Close(), IsOk());
+    EXPECT_EQ(server.open_sessions(), 0);
+  });
 }
 
 // The read-only retry of a step found applied, when the session is lost
@@ -575,38 +586,28 @@ TEST_F(SessionTest, ACreateSentAgainAfterItWasAppliedIsSettledByItsRetry) {
 // is ABORTED and the next one gets the answer. Before, it failed
 // ALREADY_EXISTS, which says the id is another's.
 TEST_F(SessionTest, ARetrysRecreationSentAgainAfterItWasAppliedIsSettledByTheNextRetry) {
-  for (const bool stream : {false, true}) {
-    for (const bool step_ids : {true, false}) {
-      SCOPED_TRACE(absl::StrCat("stream ", stream, ", step ids ", step_ids));
-      FakeAttentionServer server;
-      server.set_report_step_ids(step_ids);
-      std::unique_ptr<AttentionClient> client = ClientOf(server);
-      ASSERT_NE(client, nullptr);
-      std::unique_ptr<Session> s = Open("re-resent", /*keep_rows=*/true, stream, client.get());
-      ASSERT_NE(s, nullptr);
-      ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
-      server.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
-      EXPECT_THAT(s->Step(Rows(1, 4, 8)),
-                  StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
-      // GetSession finds the step applied; the session is lost before its
-      // read-only retry (call 3); the recreation (call 4) is applied, its
-      // answer lost, and the create sent again.
-      server.DropSessionsAtCall(3);
-      server.LoseAnswerOfCall(4, grpc::StatusCode::UNAVAILABLE);
-      EXPECT_THAT(s->Step(Rows(1, 4, 8)),
-                  StatusIs(absl::StatusCode::kAborted, HasSubstr("it holds this step's 3 rows")));
-      absl::StatusOr<v1::AttendResponse> again = s->Step(Rows(1, 4, 8));
-      ASSERT_THAT(again, IsOk());
-      EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
-      EXPECT_THAT(again->session_positions(), ElementsAre(3));
-      EXPECT_EQ(s->position(), 3);
-      ASSERT_THAT(s->Step(Rows(1, 4, 12)), IsOk());
-      EXPECT_EQ(server.session_keys("re-resent"),
-                Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
-      ASSERT_THAT(s->Close(), IsOk());
-      EXPECT_EQ(server.open_sessions(), 0);
-    }
-  }
+  ForEachSessionKind("re-resent", [](FakeAttentionServer& server, Session& s) {
+    ASSERT_THAT(s.Step(Rows(2, 4, 0)), IsOk());
+    server.LoseAnswerOfCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_THAT(s.Step(Rows(1, 4, 8)), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+    // GetSession finds the step applied; the session is lost before its
+    // read-only retry (call 3); the recreation (call 4) is applied, its
+    // answer lost, and the create sent again.
+    server.DropSessionsAtCall(3);
+    server.LoseAnswerOfCall(4, grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(s.Step(Rows(1, 4, 8)),
+                StatusIs(absl::StatusCode::kAborted, HasSubstr("it holds this step's 3 rows")));
+    absl::StatusOr<v1::AttendResponse> again = s.Step(Rows(1, 4, 8));
+    ASSERT_THAT(again, IsOk());
+    EXPECT_THAT(Floats(again->output()), ElementsAreArray(Floats(Rows(1, 4, 8))));
+    EXPECT_THAT(again->session_positions(), ElementsAre(3));
+    EXPECT_EQ(s.position(), 3);
+    ASSERT_THAT(s.Step(Rows(1, 4, 12)), IsOk());
+    EXPECT_EQ(server.session_keys("re-resent"),
+              Concat({Rows(2, 4, 0), Rows(1, 4, 8), Rows(1, 4, 12)}));
+    ASSERT_THAT(s.Close(), IsOk());
+    EXPECT_EQ(server.open_sessions(), 0);
+  });
 }
 
 // The natural retry of a step whose answer was lost: the same rows again.
