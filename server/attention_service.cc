@@ -153,8 +153,10 @@ void AttentionServiceImpl::Record(absl::string_view method, absl::string_view mo
       model.empty() || models_->Find(model) != nullptr ? model : kUnknownModelLabel;
   metrics_->CountRequest(method, label, status.error_code());
   metrics_->ObserveSeconds("total", method, total);
-  if (timing != nullptr) {
+  if (timing != nullptr && timing->queued) {
     metrics_->ObserveSeconds("queue", method, timing->queue_us * 1e-6);
+  }
+  if (timing != nullptr && timing->computed) {
     metrics_->ObserveSeconds("compute", method, timing->compute_us * 1e-6);
   }
   if (!spdlog::should_log(spdlog::level::debug)) return;

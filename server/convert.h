@@ -25,6 +25,12 @@ struct JobTimingFields {
   int64_t queue_us = 0;
   int64_t compute_us = 0;
   int32_t batch_size = 0;
+  // Which of the two the call went through, for the latency metrics: a call
+  // refused before the queue (a session's checks, its memory, a full queue)
+  // has neither, one dropped in the queue (cancelled, past its deadline) no
+  // compute.
+  bool queued = false;
+  bool computed = false;
 };
 
 struct EngineRequest {

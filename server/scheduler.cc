@@ -187,6 +187,7 @@ void Scheduler::Run(std::deque<Job>& batch) {
   for (Job& job : batch) {
     JobTiming timing;
     timing.queue_us = absl::ToInt64Microseconds(start - job.enqueued);
+    timing.queued = true;
     if (const char* reason = OverReason(job, start); reason != nullptr) {
       if (hooks_.not_computed) hooks_.not_computed(reason);
       job.done(
@@ -225,6 +226,7 @@ void Scheduler::Run(std::deque<Job>& batch) {
   JobTiming timing;
   timing.compute_us = absl::ToInt64Microseconds(absl::Now() - start);
   timing.batch_size = static_cast<int32_t>(calls.size());
+  timing.queued = timing.computed = true;
   for (size_t i = 0; i < live.size(); ++i) {
     // The engine answers these codes only for an interrupt.
     if (hooks_.interrupted && absl::IsDeadlineExceeded(results[i].status())) {

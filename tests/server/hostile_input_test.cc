@@ -821,15 +821,6 @@ TEST_F(HostileServerTest, ANanInAModelInputMakesThatRowNanAndNoOther) {
 
 // --- every request's cost bounded before work starts -----------------------------
 
-// The engine's compute counted by the metrics: a refused call adds nothing.
-double ComputedCalls(AttentionServer& server) {
-  const std::string text = server.metrics().RenderPrometheus();
-  const std::string name =
-      "\nattention_latency_seconds_count{stage=\"compute\",method=\"Attend\"} ";
-  const size_t at = text.find(name);
-  return at == std::string::npos ? 0 : std::stod(text.substr(at + name.size()));
-}
-
 // Default limits but 1 MiB messages and 1 GFLOP per request.
 class CostLimitTest : public ServerSuite<> {
  protected:
@@ -847,13 +838,14 @@ TEST_F(CostLimitTest, AnAnswerOverTheMessageLimitIsRefusedBeforeCompute) {
   v1::AttendRequest request;
   *request.mutable_query() = Ramp({1, 512, 1});
   request.set_need_weights(true);
-  const double computed = ComputedCalls(server_->server());
+  const double computed = AttendLatencyCount(server_->server(), "compute");
   EXPECT_THAT(client().Attend(request),
               StatusIs(kExhausted, AllOf(HasSubstr("answer: 1054720 bytes (output 2048, weights "
                                                    "1048576)"),
                                          HasSubstr("1048576 bytes (--max_message_mb)"),
                                          HasSubstr("without need_weights"))));
-  EXPECT_EQ(ComputedCalls(server_->server()), computed) << "the refused call was computed";
+  EXPECT_EQ(AttendLatencyCount(server_->server(), "compute"), computed)
+      << "the refused call was computed";
   request.set_need_weights(false);
   EXPECT_THAT(client().Attend(request), IsOk());
 }
@@ -901,12 +893,13 @@ TEST_F(MemoryBudgetServerTest, ACallThatWouldPassTheBudgetIsRefusedBeforeCompute
   // 1.5 MiB of queries: with its output and answer, over 4 MiB.
   v1::AttendRequest request;
   *request.mutable_query() = Ramp({1, 3072, 128});
-  const double computed = ComputedCalls(server_->server());
+  const double computed = AttendLatencyCount(server_->server(), "compute");
   EXPECT_THAT(client().Attend(request),
               StatusIs(kExhausted, AllOf(HasSubstr("memory: this call would hold "),
                                          HasSubstr("more than the server's whole memory budget "
                                                    "of 2.0 MiB (--memory_budget_mb)"))));
-  EXPECT_EQ(ComputedCalls(server_->server()), computed) << "the refused call was computed";
+  EXPECT_EQ(AttendLatencyCount(server_->server(), "compute"), computed)
+      << "the refused call was computed";
   EXPECT_THAT(server_->server().metrics().RenderPrometheus(),
               HasSubstr("\nattention_memory_reserved_bytes 0\n"))
       << "the refused call holds memory";

@@ -158,6 +158,9 @@ TEST_F(SchedulerTest, AJobWhoseDeadlinePassesWhileQueuedIsNotComputed) {
   EXPECT_THAT(late.result,
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("in the queue")));
   EXPECT_EQ(not_computed, 1);
+  // The metrics count its wait, and no compute.
+  EXPECT_TRUE(late.timing.queued);
+  EXPECT_FALSE(late.timing.computed);
 }
 
 TEST_F(SchedulerTest, AJobWhoseCallerLeftIsNotComputed) {
@@ -179,6 +182,7 @@ TEST_F(SchedulerTest, QueuedJobsOfOneKeyShareAnEngineCallWithUnbatchedResults) {
   }
   ASSERT_THAT(alone.result, testing::IsOk());
   EXPECT_EQ(alone.timing.batch_size, 1);
+  EXPECT_TRUE(alone.timing.queued && alone.timing.computed);
 
   std::vector<int32_t> batch_sizes;
   SchedulerHooks hooks;

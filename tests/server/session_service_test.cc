@@ -283,7 +283,14 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
   cases[5].request.mutable_session()->add_positions(0);
   cases[6].request.mutable_session()->set_cache_dtype(v1::Tensor::BFLOAT16);
   for (const Case& c : cases) {
+    const double total = AttendLatencyCount(server_->server(), "total");
+    const double queued = AttendLatencyCount(server_->server(), "queue");
+    const double computed = AttendLatencyCount(server_->server(), "compute");
     EXPECT_THAT(client().Attend(c.request), StatusIs(c.code, HasSubstr(c.message))) << c.name;
+    // Counted as a call, neither queued nor computed.
+    EXPECT_EQ(AttendLatencyCount(server_->server(), "total"), total + 1) << c.name;
+    EXPECT_EQ(AttendLatencyCount(server_->server(), "queue"), queued) << c.name;
+    EXPECT_EQ(AttendLatencyCount(server_->server(), "compute"), computed) << c.name;
     absl::StatusOr<v1::SessionInfo> after = Info("errors");
     ASSERT_THAT(after, IsOk()) << c.name;
     EXPECT_EQ(after->position(), before->position()) << c.name;

@@ -12,9 +12,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "client/attention_client.h"
 #include "client/tensors.h"
 #include "gtest/gtest.h"
+#include "server/metrics.h"
 #include "server/server.h"
 
 namespace attention::testing {
@@ -46,6 +49,17 @@ class TestServer {
   std::unique_ptr<AttentionServer> server_;
   std::unique_ptr<client::AttentionClient> client_;
 };
+
+// The Attend calls `server`'s latency histogram counted at `stage` ("queue",
+// "compute" or "total"): a call refused before the queue adds to "total"
+// only.
+inline double AttendLatencyCount(AttentionServer& server, absl::string_view stage) {
+  const std::string text = server.metrics().RenderPrometheus();
+  const std::string name =
+      absl::StrCat("\nattention_latency_seconds_count{stage=\"", stage, "\",method=\"Attend\"} ");
+  const size_t at = text.find(name);
+  return at == std::string::npos ? 0 : std::stod(text.substr(at + name.size()));
+}
 
 // A fixture base holding one TestServer, with default options, for all tests
 // of its suite. `Base` is ::testing::Test or a ::testing::TestWithParam<T>.
