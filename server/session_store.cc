@@ -117,6 +117,7 @@ absl::StatusOr<SessionRequest> SessionStore::Parse(const v1::SessionSpec& spec,
           absl::StrCat("session.cache_dtype: ", EnumName(spec.cache_dtype()),
                        " is not a cache dtype (FLOAT32, BFLOAT16)"));
   }
+  r.cache_dtype_named = spec.has_cache_dtype();
   if (spec.step_id().size() > kMaxIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("session.step_id: ", spec.step_id().size(),
                                                    " bytes; at most ", kMaxIdBytes));
@@ -284,7 +285,7 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
                                                      s.kind.description, "; this request's is ",
                                                      kind.score));
     }
-    if (request.cache_dtype != DType::kFloat32 && request.cache_dtype != s.cache->dtype()) {
+    if (request.cache_dtype_named && request.cache_dtype != s.cache->dtype()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "session.cache_dtype: session \"", id, "\" stores ", DTypeName(s.cache->dtype()),
           "; the dtype is fixed at create"));

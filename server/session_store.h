@@ -50,6 +50,7 @@ struct SessionRequest {
   bool close = false;
   bool read_only = false;
   DType cache_dtype = DType::kFloat32;
+  bool cache_dtype_named = false;  // the request set it (a step must name the session's)
   std::string step_id;
   // Rows this request appends to each session.
   int64_t new_rows = 0;

@@ -329,6 +329,28 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
   EXPECT_THAT(closed.not_found(), ElementsAre("errors", "nobody"));
 }
 
+// A step that names a cache dtype must name the session's; FLOAT32 counts
+// though it is the field's default value (the field has presence).
+TEST_F(SessionServiceTest, AStepNamingACacheDtypeMustNameTheSessions) {
+  const std::vector<float> one = RandomValues(16, 42);
+  v1::AttendRequest create = Step("bf16", 0, RandomValues(3 * 16, 43), true);
+  create.mutable_session()->set_cache_dtype(v1::Tensor::BFLOAT16);
+  ASSERT_THAT(client().Attend(create), IsOk());
+  v1::AttendRequest float32 = Step("bf16", 3, one);
+  float32.mutable_session()->set_cache_dtype(v1::Tensor::FLOAT32);
+  EXPECT_THAT(client().Attend(float32),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("session.cache_dtype: session \"bf16\" stores BFLOAT16")));
+  absl::StatusOr<v1::SessionInfo> info = Info("bf16");
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->position(), 3);
+  v1::AttendRequest named = Step("bf16", 3, one);
+  named.mutable_session()->set_cache_dtype(v1::Tensor::BFLOAT16);
+  EXPECT_THAT(client().Attend(named), IsOk());
+  EXPECT_THAT(client().Attend(Step("bf16", 4, one)), IsOk());  // left out
+  EXPECT_THAT(Close({"bf16"}).closed(), ElementsAre("bf16"));
+}
+
 // A read-only step has no rows of its own: its keys are the session's, of
 // their own dim (6 here, against the query's 4, through a bilinear score).
 TEST_F(SessionServiceTest, ReadOnlyStepsTakeTheSessionsKeyDim) {
