@@ -63,6 +63,13 @@ const v1::Tensor& Keys(const v1::AttendRequest& request) {
 const v1::Tensor& Values(const v1::AttendRequest& request) {
   return request.has_value() ? request.value() : Keys(request);
 }
+// The fields those come from, for errors.
+const char* KeysField(const v1::AttendRequest& request) {
+  return request.has_key() ? "key" : "query";
+}
+const char* ValuesField(const v1::AttendRequest& request) {
+  return request.has_value() ? "value" : KeysField(request);
+}
 
 // Whether a failed call may have been applied all the same: its answer was
 // lost (a deadline, a connection that failed, a cancelled call), or it is
@@ -109,8 +116,9 @@ class Session::RowLog {
   explicit RowLog(std::string name) : name_(std::move(name)) {}
 
   // OK when `rows`, with its sequence at `axis`, can follow the rows kept: a
-  // float tensor whose dtype, rank and other dims are theirs.
-  absl::Status Check(const v1::Tensor& rows, int axis) const {
+  // float tensor whose dtype, rank and other dims are theirs. `field` names
+  // the request's tensor they come from.
+  absl::Status Check(const v1::Tensor& rows, int axis, absl::string_view field) const {
     if (!dims_.has_value()) return absl::OkStatus();
     bool same = rows.dtype() == dtype_ && axis == axis_ &&
                 rows.shape_size() == static_cast<int>(dims_->size());
@@ -119,13 +127,13 @@ class Session::RowLog {
     }
     if (same) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(
-        name_, ": ", EnumName(rows.dtype()), " ", ShapeString(rows.shape()),
-        " cannot follow the session's kept ", EnumName(dtype_), " rows ",
+        field, ": ", EnumName(rows.dtype()), " ", ShapeString(rows.shape()),
+        " cannot follow the session's kept ", EnumName(dtype_), " ", name_, " rows ",
         ShapeString(*dims_), " (keep_rows needs one dtype, and one shape but for the rows)"));
   }
 
   absl::Status Append(const v1::Tensor& rows, int axis) {
-    ATTN_RETURN_IF_ERROR(Check(rows, axis));
+    ATTN_RETURN_IF_ERROR(Check(rows, axis, name_));
     ATTN_ASSIGN_OR_RETURN(const std::string bytes, ElementBytes(name_, rows));
     if (!dims_.has_value()) {
       dims_.emplace(rows.shape().begin(), rows.shape().end());
@@ -143,7 +151,7 @@ class Session::RowLog {
   // A tensor of every kept row followed by those of `rows`.
   absl::StatusOr<v1::Tensor> With(const v1::Tensor& rows, int axis) const {
     if (!dims_.has_value() || chunks_.empty()) return rows;
-    ATTN_RETURN_IF_ERROR(Check(rows, axis));
+    ATTN_RETURN_IF_ERROR(Check(rows, axis, name_));
     ATTN_ASSIGN_OR_RETURN(const std::string bytes, ElementBytes(name_, rows));
     return Joined(bytes, rows.shape(axis));
   }
@@ -244,10 +252,12 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   if (key.has_value()) *request.mutable_key() = *std::move(key);
   if (value.has_value()) *request.mutable_value() = *std::move(value);
   if (keys_ != nullptr) {
-    ATTN_ASSIGN_OR_RETURN(const int key_axis, SequenceAxis(request, "key", Keys(request)));
-    ATTN_ASSIGN_OR_RETURN(const int value_axis, SequenceAxis(request, "value", Values(request)));
-    ATTN_RETURN_IF_ERROR(keys_->Check(Keys(request), key_axis));
-    ATTN_RETURN_IF_ERROR(values_->Check(Values(request), value_axis));
+    ATTN_ASSIGN_OR_RETURN(const int key_axis,
+                          SequenceAxis(request, KeysField(request), Keys(request)));
+    ATTN_ASSIGN_OR_RETURN(const int value_axis,
+                          SequenceAxis(request, ValuesField(request), Values(request)));
+    ATTN_RETURN_IF_ERROR(keys_->Check(Keys(request), key_axis, KeysField(request)));
+    ATTN_RETURN_IF_ERROR(values_->Check(Values(request), value_axis, ValuesField(request)));
   }
   if (resync_needed_) ATTN_RETURN_IF_ERROR(Resync());
   // The step that failed, sent again (its rows the same), after the server

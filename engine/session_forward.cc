@@ -164,8 +164,16 @@ absl::StatusOr<SessionPlan> PlanSession(const EngineCall& call) {
           "session.ids[", b, "]: its cache has ", c.pending(), " rows neither committed nor dropped"));
     }
     if (c.kv_heads() != s.kv_heads || c.key_dim() != s.key_dim || c.value_dim() != s.value_dim) {
+      // The tensor whose shape differs (by the self-attention rule, the
+      // query may stand for the keys, and the keys for the values); a
+      // read-only request's shape is its first session's.
+      const char* keys = a.key.present() ? "key" : "query";
+      const char* field = sc.read_only                                             ? "session.ids"
+                          : c.kv_heads() != s.kv_heads || c.key_dim() != s.key_dim ? keys
+                          : a.value.present()                                      ? "value"
+                                                                                   : keys;
       return absl::InvalidArgumentError(absl::StrCat(
-          "session.ids[", b, "]: the session holds ", c.kv_heads(), " key/value heads of ",
+          field, ": session.ids[", b, "]'s session holds ", c.kv_heads(), " key/value heads of ",
           c.key_dim(), " (keys) and ", c.value_dim(), " (values); this request has ", s.kv_heads,
           " of ", s.key_dim, " and ", s.value_dim));
     }

@@ -381,8 +381,8 @@ TEST_F(SessionTest, KeptRowsOfAnotherShapeAreRefusedBeforeSending) {
   ASSERT_THAT(s->Step(Rows(2, 4, 0)), IsOk());
   EXPECT_THAT(s->Step(Rows(1, 6, 0)),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("key: FLOAT32 [1, 1, 6] cannot follow the session's kept "
-                                 "FLOAT32 rows [1, 2, 4]")));
+                       HasSubstr("query: FLOAT32 [1, 1, 6] cannot follow the session's kept "
+                                 "FLOAT32 key rows [1, 2, 4]")));
   EXPECT_EQ(server_.attend_calls(), 1);
 }
 

@@ -1258,16 +1258,20 @@ TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
   const std::vector<Case> cases = {
       {"key batch", [&](AttentionArgs& a) { a.key = pair.view(); },
        absl::StatusCode::kInvalidArgument, "key: batch 2 does not match query's 1"},
-      {"value batch", [&](AttentionArgs& a) { a.key = one.view(); a.value = pair.view(); },
+      {"value batch",
+       [&](AttentionArgs& a) {
+         a.key = one.view();
+         a.value = pair.view();
+       },
        absl::StatusCode::kInvalidArgument, "value: batch 2 does not match query's 1"},
       {"top left", [](AttentionArgs& a) { a.mask.causal = Causal::kTopLeft; },
        absl::StatusCode::kInvalidArgument, "mask.causal: TOP_LEFT"},
       {"padding", [&](AttentionArgs& a) { a.mask.key_padding_mask = x.view(); },
        absl::StatusCode::kInvalidArgument, "mask.key_padding_mask: not supported with sessions"},
-      {"dropout", [](AttentionArgs& a) { a.dropout_p = 0.5; },
-       absl::StatusCode::kInvalidArgument, "dropout_p"},
+      {"dropout", [](AttentionArgs& a) { a.dropout_p = 0.5; }, absl::StatusCode::kInvalidArgument,
+       "dropout_p"},
       {"heads", [](AttentionArgs& a) { a.num_heads = 4; }, absl::StatusCode::kInvalidArgument,
-       "session.ids[0]: the session holds 2 key/value heads of 4"},
+       "query: session.ids[0]'s session holds 2 key/value heads of 4"},
   };
   for (const Case& c : cases) {
     AttentionArgs bad = args;

@@ -276,12 +276,17 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
        "session.ids: 2 ids do not match the batch size 1"},
       {"dtype", Step("errors", 5, one), absl::StatusCode::kInvalidArgument,
        "session.cache_dtype: session \"errors\" stores FLOAT32"},
+      {"value dim", Step("errors", 5, one), absl::StatusCode::kInvalidArgument,
+       "value: session.ids[0]'s session holds 2 key/value heads of 8 (keys) and 8 (values); "
+       "this request has 2 of 8 and 3"},
   };
   cases[3].request.set_num_heads(4);
   cases[4].request.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
   cases[5].request.mutable_session()->add_ids("other");
   cases[5].request.mutable_session()->add_positions(0);
   cases[6].request.mutable_session()->set_cache_dtype(v1::Tensor::BFLOAT16);
+  *cases[7].request.mutable_key() = Floats({1, 1, 16}, one);
+  *cases[7].request.mutable_value() = Floats({1, 1, 6}, RandomValues(6, 44));
   for (const Case& c : cases) {
     const double total = AttendLatencyCount(server_->server(), "total");
     const double queued = AttendLatencyCount(server_->server(), "queue");

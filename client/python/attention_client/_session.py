@@ -69,15 +69,17 @@ class _RowLog:
         self.dims = None  # the shape of all kept rows
         self.parts = []
 
-    def check(self, rows, axis):
+    def check(self, rows, axis, field=None):
+        """Raises unless `rows` (of the request's `field`) can follow the kept rows."""
         if self.dims is None:
             return
         same = rows.dtype == self.dtype and axis == self.axis and len(rows.shape) == len(self.dims)
         same = same and all(d == axis or rows.shape[d] == self.dims[d] for d in range(len(self.dims)))
         if not same:
             raise invalid(
-                f"{self.name}: {tensor_pb2.Tensor.DType.Name(rows.dtype)} {list(rows.shape)} cannot "
-                f"follow the session's kept {tensor_pb2.Tensor.DType.Name(self.dtype)} rows "
+                f"{field or self.name}: {tensor_pb2.Tensor.DType.Name(rows.dtype)} "
+                f"{list(rows.shape)} cannot follow the session's kept "
+                f"{tensor_pb2.Tensor.DType.Name(self.dtype)} {self.name} rows "
                 f"{list(self.dims)} (keep_rows needs one dtype, and one shape but for the rows)")
 
     def append(self, rows, axis):
@@ -120,7 +122,10 @@ class SessionCore:
         if taken:
             raise invalid(f"session {session_id}: {', '.join(taken)} are set by step(), not by "
                           "session()")
-        self.cache_dtype = _request.dtype_enum("cache_dtype", cache_dtype)
+        try:
+            self.cache_dtype = _request.dtype_enum("cache_dtype", cache_dtype)
+        except AttentionError:  # it would name every tensor dtype
+            self.cache_dtype = None
         if self.cache_dtype not in (tensor_pb2.Tensor.FLOAT32, tensor_pb2.Tensor.BFLOAT16):
             raise invalid(f"session {session_id}: cache_dtype {cache_dtype!r} is not float32 or "
                           "bfloat16")
@@ -166,8 +171,12 @@ class SessionCore:
         step = (q, k, v, kind, uuid.uuid4().hex[:16])
         if self.keys is not None:
             keys, values = self._rows(step)
-            self.keys.check(keys, self._axis("key", keys))
-            self.values.check(values, self._axis("value", values))
+            # By the self-attention rule the query may stand for the keys,
+            # and the keys for the values.
+            key_field = "key" if k is not None else "query"
+            value_field = "value" if v is not None else key_field
+            self.keys.check(keys, self._axis(key_field, keys), key_field)
+            self.values.check(values, self._axis(value_field, values), value_field)
         return step
 
     @staticmethod

@@ -142,10 +142,16 @@ class ErrorTest(unittest.TestCase):
             (lambda: client.attend(np.zeros((1, 2, 4), np.uint8)), "query: numpy dtype uint8"),
             (lambda: client.attend(randn(7, 1, 2, 4), score="softmax"), "score: 'softmax'"),
             (lambda: client.attend(randn(7, 1, 2, 4), causal="left"), "causal: 'left'"),
+            (lambda: client.session("c", cache_dtype="foo"),
+             "session c: cache_dtype 'foo' is not float32 or bfloat16"),
+            (lambda: client.session("c", cache_dtype="float16"),
+             "session c: cache_dtype 'float16' is not float32 or bfloat16"),
         ]:
             with self.subTest(text=text), self.assertRaises(AttentionError) as e:
                 call()
             self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            if "cache_dtype" in text:  # not the list of every tensor dtype
+                self.assertNotIn("int32", e.exception.details())
             self.assertIn(text, e.exception.details())
 
     def test_arguments_of_the_wrong_type_or_range_are_invalid_argument(self):
@@ -568,7 +574,8 @@ class SessionTest(unittest.TestCase):
         with self.assertRaises(AttentionError) as e:
             s.step(randn(21, 1, 1, 6))
         self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
-        self.assertIn("cannot follow the session's kept", e.exception.details())
+        self.assertIn("query: FLOAT32 [1, 1, 6] cannot follow the session's kept FLOAT32 key "
+                      "rows", e.exception.details())
         self.assertEqual((s.position, client.get_session(s.id).position), (3, 3))
         s.close()
 
