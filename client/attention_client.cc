@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -428,8 +429,11 @@ absl::StatusOr<v1::CloseSessionsResponse> AttentionClient::CloseSessions(
   // Each id with its own affinity, so that a proxy sends each to the
   // replica that holds it: one call for all would reach the first id's
   // replica only, and the others would stay open there until they expire.
+  // Each distinct id once, in order, as one call for them all would list it.
   v1::CloseSessionsResponse all;
+  std::set<absl::string_view> sent;
   for (const std::string& id : ids) {
+    if (!sent.insert(id).second) continue;
     absl::StatusOr<v1::CloseSessionsResponse> one = CloseSessions({id}, call);
     if (!one.ok()) return one.status();
     all.mutable_closed()->MergeFrom(one->closed());

@@ -145,9 +145,9 @@ class AttentionClient {
   absl::StatusOr<v1::GetModelResponse> GetModel(const std::string& name);
   // Closes the sessions `ids` and frees their caches. OK even when some were
   // not open: the answer lists them in not_found. Without call.affinity,
-  // several ids go one call each, each with its own id as affinity (so a
-  // proxy routes each to its replica); the first failed call's error is
-  // returned. client/session.h keeps a session's ids and positions for a
+  // several ids go one call per distinct id, each with its own id as
+  // affinity (so a proxy routes each to its replica); the first failed
+  // call's error is returned. client/session.h keeps a session's ids and positions for a
   // caller.
   absl::StatusOr<v1::CloseSessionsResponse> CloseSessions(const std::vector<std::string>& ids,
                                                           const CallOptions& call = {});

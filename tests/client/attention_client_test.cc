@@ -165,12 +165,12 @@ TEST_F(AttentionClientTest, SessionCallsReturnTheServersAnswers) {
   absl::StatusOr<v1::SessionInfo> info = client->GetSession("a");
   ASSERT_THAT(info, IsOk());
   EXPECT_EQ(info->position(), 2);
-  absl::StatusOr<v1::CloseSessionsResponse> closed = client->CloseSessions({"a", "b"});
+  absl::StatusOr<v1::CloseSessionsResponse> closed = client->CloseSessions({"a", "b", "a"});
   ASSERT_THAT(closed, IsOk());
   EXPECT_THAT(closed->closed(), ElementsAre("a"));
   EXPECT_THAT(closed->not_found(), ElementsAre("b"));
-  // One call per id, each routed by its own id (behind a proxy, the ids may
-  // live on different replicas); with an affinity, one call.
+  // One call per distinct id, each routed by its own id (behind a proxy, the
+  // ids may live on different replicas); with an affinity, one call.
   EXPECT_THAT(server_.close_affinities(), ElementsAre("a", "b"));
   ASSERT_THAT(client->CloseSessions({"c", "d"}, {.affinity = "group-1"}), IsOk());
   EXPECT_THAT(server_.close_affinities(), ElementsAre("a", "b", "group-1"));
