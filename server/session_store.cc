@@ -441,6 +441,10 @@ void SessionStore::Close(
 
 absl::StatusOr<v1::SessionInfo> SessionStore::Info(const std::string& id) {
   ATTN_RETURN_IF_ERROR(CheckEnabled("id"));
+  if (id.empty() || id.size() > kMaxIdBytes) {  // no session could have it
+    return absl::InvalidArgumentError(
+        absl::StrCat("id: ", id.size(), " bytes; an id has 1 to ", kMaxIdBytes));
+  }
   absl::MutexLock lock(&mu_);
   ExpireLocked();
   PublishLocked();

@@ -318,6 +318,8 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
   bad_create.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
   EXPECT_THAT(client().Attend(bad_create), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("TOP_LEFT")));
   EXPECT_THAT(Info("never"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"never\"")));
+  EXPECT_THAT(Info(""), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("id: 0 bytes; an id has 1 to 128")));
   // A failed request asking to close leaves the session open.
   v1::AttendRequest failed_close = Step("errors", 5, one);
   failed_close.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
