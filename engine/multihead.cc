@@ -36,8 +36,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> MultiheadAttention::Ex
   return keys;
 }
 
-absl::StatusOr<std::unique_ptr<MultiheadAttention>> MultiheadAttention::Create(
-    const MultiheadConfig& config, StateDict weights) {
+absl::Status MultiheadAttention::CheckConfig(const MultiheadConfig& config) {
   if (config.embed_dim < 1 || config.num_heads < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "embed_dim ", config.embed_dim, " and num_heads ", config.num_heads, " must both be >= 1"));
@@ -79,6 +78,12 @@ absl::StatusOr<std::unique_ptr<MultiheadAttention>> MultiheadAttention::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("score.bandwidth: ", *s.bandwidth, " is not a finite number"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<MultiheadAttention>> MultiheadAttention::Create(
+    const MultiheadConfig& config, StateDict weights) {
+  ATTN_RETURN_IF_ERROR(CheckConfig(config));
   const auto expected = ExpectedWeights(config);
   for (const auto& [key, shape] : expected) {
     auto it = weights.find(key);

@@ -44,10 +44,14 @@ class MultiheadAttention {
   static std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedWeights(
       const MultiheadConfig& config);
 
-  // Takes the weights. INVALID_ARGUMENT naming the key and shapes for a
-  // missing, extra or wrongly shaped entry, or an inconsistent config (dims
-  // below 1 or above 2^31 - 1, a non-finite scale or bandwidth, a bandwidth
-  // for a score other than GAUSSIAN).
+  // INVALID_ARGUMENT for an inconsistent config: dims below 1 or above
+  // 2^31 - 1, heads that do not divide embed_dim, a score with parameters,
+  // a non-finite scale or bandwidth, a bandwidth for a score other than
+  // GAUSSIAN.
+  static absl::Status CheckConfig(const MultiheadConfig& config);
+
+  // Takes the weights. CheckConfig's errors, or INVALID_ARGUMENT naming the
+  // key and shapes for a missing, extra or wrongly shaped entry.
   static absl::StatusOr<std::unique_ptr<MultiheadAttention>> Create(const MultiheadConfig& config,
                                                                     StateDict weights);
 

@@ -30,6 +30,9 @@ class FirstErrorCollector : public google::protobuf::io::ErrorCollector {
 };
 
 absl::StatusOr<ScoreKind> ModelScoreKind(v1::Score::Kind kind, const std::string& source) {
+  if (!v1::Score::Kind_IsValid(kind)) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": score.kind: unknown value ", kind));
+  }
   switch (kind) {
     case v1::Score::SCALED_DOT:
       return ScoreKind::kScaledDot;
@@ -63,7 +66,7 @@ absl::StatusOr<v1::ModelConfig> ParseModelConfig(absl::string_view text, const s
 }
 
 absl::StatusOr<Model> BuildModel(v1::ModelConfig config, StateDict weights,
-                                 const std::string& source) {
+                                 const std::string& source, const std::string& weights_source) {
   if (!v1::AttendRequest::Precision_IsValid(config.precision())) {
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": precision: unknown value ", config.precision()));
@@ -89,12 +92,15 @@ absl::StatusOr<Model> BuildModel(v1::ModelConfig config, StateDict weights,
   ATTN_ASSIGN_OR_RETURN(mc.score.kind, ModelScoreKind(score.kind(), source));
   if (score.has_scale()) mc.score.scale = score.scale();
   if (score.has_bandwidth()) mc.score.bandwidth = score.bandwidth();
+  if (absl::Status checked = MultiheadAttention::CheckConfig(mc); !checked.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", checked.message()));
+  }
   config.set_kdim(mc.key_dim());
   config.set_vdim(mc.value_dim());
   config.set_bias(mc.bias);
   auto layer = MultiheadAttention::Create(mc, std::move(weights));
   if (!layer.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", layer.status().message()));
+    return absl::InvalidArgumentError(absl::StrCat(weights_source, ": ", layer.status().message()));
   }
   return Model{std::move(config), std::move(layer).value()};
 }
@@ -113,7 +119,7 @@ absl::StatusOr<Model> LoadModel(const std::string& dir) {
                                                    "\""));
   }
   ATTN_ASSIGN_OR_RETURN(StateDict weights, ReadSafetensors(weights_path));
-  return BuildModel(std::move(config), std::move(weights), weights_path);
+  return BuildModel(std::move(config), std::move(weights), config_path, weights_path);
 }
 
 absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Load(const std::string& dir) {

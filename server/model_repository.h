@@ -24,9 +24,10 @@ struct Model {
 absl::StatusOr<v1::ModelConfig> ParseModelConfig(absl::string_view text, const std::string& source);
 
 // Builds a model from a parsed config and a state_dict. INVALID_ARGUMENT
-// naming `source` for an inconsistent config or weights that do not fit it.
+// naming `source` (the config's file) for an inconsistent config, or
+// `weights_source` for weights that do not fit it.
 absl::StatusOr<Model> BuildModel(v1::ModelConfig config, StateDict weights,
-                                 const std::string& source);
+                                 const std::string& source, const std::string& weights_source);
 
 // Loads DIR/config.pbtxt and DIR/weights.safetensors. The config's name
 // defaults to the folder's and must match it when given.

@@ -118,7 +118,8 @@ void ModelConfig(const uint8_t* data, size_t size) {
   if (split == absl::string_view::npos) {
     absl::StatusOr<v1::ModelConfig> config = ParseModelConfig(input, "fuzz/config.pbtxt");
     if (!config.ok()) return;
-    model = BuildModel(*std::move(config), f.demo_weights, "fuzz/weights.safetensors");
+    model = BuildModel(*std::move(config), f.demo_weights, "fuzz/config.pbtxt",
+                       "fuzz/weights.safetensors");
   } else {
     Write(f.folder + "/config.pbtxt", input.substr(0, split));
     Write(f.folder + "/weights.safetensors", input.substr(split + kSeparator.size()));

@@ -138,8 +138,12 @@ TEST_F(ModelRepositoryTest, RejectsByteRangeThatDoesNotMatchTheShape) {
 TEST_F(ModelRepositoryTest, RejectsShapeThatDoesNotMatchTheConfig) {
   StateDict d = SmallWeights();
   d["out_proj.weight"] = Tensor{{4, 3}, FloatBuffer(12, 0.2f)};
-  EXPECT_THAT(ModelRepository::Load(Repo(kConfig, SafetensorsBytes(d))),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight \"out_proj.weight\" has shape [4, 3]; want [4, 4]")));
+  EXPECT_THAT(
+      ModelRepository::Load(Repo(kConfig, SafetensorsBytes(d))),
+      StatusIs(
+          absl::StatusCode::kInvalidArgument,
+          HasSubstr(
+              "m/weights.safetensors: weight \"out_proj.weight\" has shape [4, 3]; want [4, 4]")));
 }
 
 TEST_F(ModelRepositoryTest, RejectsMissingKey) {
@@ -173,7 +177,8 @@ TEST_F(ModelRepositoryTest, RejectsNameThatDoesNotMatchItsFolder) {
 TEST_F(ModelRepositoryTest, RejectsHeadsThatDoNotDivideEmbedDim) {
   EXPECT_THAT(
       ModelRepository::Load(Repo("embed_dim: 4\nnum_heads: 3\n", SafetensorsBytes(SmallWeights()))),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_heads 3 does not divide embed_dim 4")));
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("m/config.pbtxt: num_heads 3 does not divide embed_dim 4")));
 }
 
 TEST_F(ModelRepositoryTest, RejectsMissingWeightsFile) {
@@ -209,9 +214,12 @@ TEST(SafetensorsTest, ReadsHalfPrecisionTensors) {
 TEST_F(ModelRepositoryTest, RefusesAtLoadTheScoresItsCallsWouldRefuse) {
   const std::string weights = SafetensorsBytes(SmallWeights());
   const std::pair<const char*, const char*> cases[] = {
-      {"score { kind: GAUSSIAN bandwidth: nan }", "score.bandwidth: nan is not a finite number"},
-      {"score { kind: DOT bandwidth: 2 }", "score.bandwidth: is used by score GAUSSIAN only"},
-      {"score { kind: DOT scale: inf }", "score.scale: inf is not a finite number"},
+      {"score { kind: GAUSSIAN bandwidth: nan }",
+       "m/config.pbtxt: score.bandwidth: nan is not a finite number"},
+      {"score { kind: DOT bandwidth: 2 }",
+       "m/config.pbtxt: score.bandwidth: is used by score GAUSSIAN only"},
+      {"score { kind: DOT scale: inf }", "m/config.pbtxt: score.scale: inf is not a finite number"},
+      {"score { kind: 99 }", "m/config.pbtxt: score.kind: unknown value 99"},
   };
   for (const auto& [score, message] : cases) {
     EXPECT_THAT(ModelRepository::Load(Repo(std::string(kConfig) + score, weights)),
@@ -222,10 +230,11 @@ TEST_F(ModelRepositoryTest, RefusesAtLoadTheScoresItsCallsWouldRefuse) {
 
 TEST_F(ModelRepositoryTest, RefusesDimsWhoseWeightShapesWouldOverflow) {
   EXPECT_THAT(
-      ModelRepository::Load(Repo("embed_dim: 4611686018427387904\nnum_heads: 1\n",
-                                 SafetensorsBytes(SmallWeights()))),
+      ModelRepository::Load(
+          Repo("embed_dim: 4611686018427387904\nnum_heads: 1\n", SafetensorsBytes(SmallWeights()))),
       StatusIs(absl::StatusCode::kInvalidArgument,
-               HasSubstr("embed_dim 4611686018427387904, kdim 0 and vdim 0 must be at most 2147483647")));
+               HasSubstr("m/config.pbtxt: embed_dim 4611686018427387904, kdim 0 and vdim 0 must be "
+                         "at most 2147483647")));
 }
 
 TEST(SafetensorsTest, RejectsHeaderThatIsNotJson) {
