@@ -338,9 +338,24 @@ absl::StatusOr<CliCommand> ParseCliArgs(const std::vector<std::string>& args) {
   }
   if (command.help) return command;
   ATTN_RETURN_IF_ERROR(CheckPositionals(positionals, &command));
+  // A flag its command does not use is a mistake in the command line, as
+  // is half of a TLS key pair (found here, not when connecting: exit 2).
   if (!command.service.empty() && command.command != "health") {
     return absl::InvalidArgumentError(
         absl::StrCat("--service applies to health, not ", command.command));
+  }
+  if (command.raw && command.command != "call") {
+    return absl::InvalidArgumentError(absl::StrCat("--raw applies to call, not ", command.command));
+  }
+  if (!command.affinity.empty() && command.command != "call" && command.command != "session" &&
+      command.command != "close") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--affinity applies to call, session and close, not ", command.command));
+  }
+  if (command.client.tls_cert_file.empty() != command.client.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(command.client.tls_key_file.empty()
+                                          ? "--tls_cert needs --tls_key (its private key)"
+                                          : "--tls_key needs --tls_cert (its certificate)");
   }
   return command;
 }

@@ -98,11 +98,14 @@ TEST(ParseCliArgsTest, TlsFlags) {
   EXPECT_EQ(command->client.tls_server_name_override, "attention.test");
 }
 
-TEST(RunCliTest, TlsCertificateWithoutKeyIsAnError) {
+// Half of a key pair is a mistake in the command line (exit 2), named by
+// its flags, found before connecting.
+TEST(RunCliTest, TlsCertificateWithoutKeyIsAUsageError) {
   const CliResult result = RunCliOn({"health", "--tls_cert", "client.pem"});
-  EXPECT_EQ(result.code, kCliError);
-  EXPECT_THAT(result.err, IsErrorLine("error: INVALID_ARGUMENT: tls_cert_file is set but "
-                                      "tls_key_file is not"));
+  EXPECT_EQ(result.code, kCliUsage);
+  EXPECT_THAT(
+      result.err,
+      StartsWith("error: INVALID_ARGUMENT: --tls_cert needs --tls_key (its private key)\n"));
 }
 
 TEST(ParseCliArgsTest, HealthService) {
@@ -169,6 +172,15 @@ TEST(ParseCliArgsTest, NamesTheBadArgument) {
               StatusIs(kInvalid, HasSubstr("info takes 0 arguments, got 1")));
   EXPECT_THAT(ParseCliArgs({"info", "--service", "x"}),
               StatusIs(kInvalid, HasSubstr("--service applies to health, not info")));
+  EXPECT_THAT(ParseCliArgs({"info", "--raw"}),
+              StatusIs(kInvalid, HasSubstr("--raw applies to call, not info")));
+  EXPECT_THAT(
+      ParseCliArgs({"models", "--affinity", "a"}),
+      StatusIs(kInvalid, HasSubstr("--affinity applies to call, session and close, not models")));
+  EXPECT_THAT(ParseCliArgs({"--tls_cert", "c.pem", "health"}),
+              StatusIs(kInvalid, HasSubstr("--tls_cert needs --tls_key (its private key)")));
+  EXPECT_THAT(ParseCliArgs({"--tls_key", "k.pem", "health"}),
+              StatusIs(kInvalid, HasSubstr("--tls_key needs --tls_cert (its certificate)")));
 }
 
 TEST(RunCliTest, UsageErrorsExitTwo) {
