@@ -214,9 +214,9 @@ class Worker {
 
  private:
   void RecordLocked(const Outcome& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!o.measured) return;
     const int64_t latency = o.done_ns - o.intended_ns;
     interval_.Record(latency);
-    if (!o.measured) return;
     stats_.latency.Record(latency);
     stats_.uncorrected_latency.Record(o.done_ns - o.sent_ns);
     stats_.send_lateness.Record(o.sent_ns - o.intended_ns);
@@ -366,6 +366,8 @@ class Runner {
   std::atomic<int64_t> measured_sent_{0};
   std::atomic<int64_t> completed_{0};
   std::atomic<int64_t> errors_{0};
+  std::atomic<int64_t> measured_completed_{0};
+  std::atomic<int64_t> measured_errors_{0};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> last_sent_ns_{0};
   std::atomic<int64_t> last_done_ns_{0};
@@ -394,9 +396,14 @@ class Runner {
   Histogram cumulative_;
   std::vector<TimelinePoint> timeline_;
   int64_t last_tick_ns_ = 0;
-  int64_t last_tick_sent_ = 0;
   int64_t last_tick_completed_ = 0;
-  int64_t last_tick_errors_ = 0;
+  // The timeline counts measured calls only (as the run's totals do), from
+  // the measured counters at its last point: a tick that ends the warm-up a
+  // little late leaves the calls measured before it to the first point.
+  Histogram timeline_latency_;  // measured answers since the last point
+  int64_t timeline_sent_ = 0;
+  int64_t timeline_completed_ = 0;
+  int64_t timeline_errors_ = 0;
 
   // Last: its thread reports to the members above, so it goes first.
   std::unique_ptr<H2Transport> h2_;
@@ -885,9 +892,14 @@ void Runner::FinishMessage(Worker& worker, const PendingMessage& message, int64_
 }
 
 void Runner::Finished(const Outcome& outcome) {
+  const bool failed = outcome.code != 0 || outcome.verify_failed;
   completed_.fetch_add(1, std::memory_order_relaxed);
-  if (outcome.code != 0 || outcome.verify_failed) errors_.fetch_add(1, std::memory_order_relaxed);
-  if (outcome.measured) AtomicMax(last_done_ns_, outcome.done_ns);
+  if (failed) errors_.fetch_add(1, std::memory_order_relaxed);
+  if (outcome.measured) {
+    measured_completed_.fetch_add(1, std::memory_order_relaxed);
+    if (failed) measured_errors_.fetch_add(1, std::memory_order_relaxed);
+    AtomicMax(last_done_ns_, outcome.done_ns);
+  }
   in_flight_.fetch_sub(1, std::memory_order_relaxed);
   if (!open_loop_) {
     ContinueSlot();
@@ -1025,28 +1037,34 @@ void Runner::ExpireStreamMessages(int64_t now_ns) {
 }
 
 void Runner::Tick(int64_t now_ns) {
-  Histogram interval;
-  for (const std::unique_ptr<Worker>& worker : workers_) worker->TakeInterval(&interval);
+  for (const std::unique_ptr<Worker>& worker : workers_) worker->TakeInterval(&timeline_latency_);
   const int64_t sent = sent_.load();
   const int64_t completed = completed_.load();
   const int64_t errors = errors_.load();
   const double seconds = static_cast<double>(now_ns - last_tick_ns_) * 1e-9;
-  // Past its end the schedule's value is 0; the last tick shows the last one.
-  const double target = schedule_.ValueAt(absl::Nanoseconds(std::min(now_ns, end_ns_ - 1)));
-  // Ticks fall on the start of the measurement, so an interval is all warm-up
-  // or all measurement.
+  // Ticks fall on the start of the measurement (a little late, perhaps), so
+  // an interval is all warm-up or all measurement.
   if (last_tick_ns_ >= measure_start_ns_) {
-    cumulative_.Merge(interval);
+    const int64_t measured_sent = measured_sent_.load();
+    const int64_t measured_completed = measured_completed_.load();
+    const int64_t measured_errors = measured_errors_.load();
+    cumulative_.Merge(timeline_latency_);
     timeline_.push_back(TimelinePoint{
         .t_s = static_cast<double>(now_ns - measure_start_ns_) * 1e-9,
-        .target = target,
-        .sent = sent - last_tick_sent_,
-        .completed = completed - last_tick_completed_,
-        .errors = errors - last_tick_errors_,
-        .p50_ns = interval.ValueAtQuantile(0.5),
-        .p99_ns = interval.ValueAtQuantile(0.99),
-        .max_ns = interval.max(),
+        // The interval's mean: a ramp's midpoint, not its end.
+        .target = schedule_.MeanOver(absl::Nanoseconds(std::min(last_tick_ns_, end_ns_ - 1)),
+                                     absl::Nanoseconds(std::min(now_ns, end_ns_))),
+        .sent = measured_sent - timeline_sent_,
+        .completed = measured_completed - timeline_completed_,
+        .errors = measured_errors - timeline_errors_,
+        .p50_ns = timeline_latency_.ValueAtQuantile(0.5),
+        .p99_ns = timeline_latency_.ValueAtQuantile(0.99),
+        .max_ns = timeline_latency_.max(),
     });
+    timeline_latency_.Clear();
+    timeline_sent_ = measured_sent;
+    timeline_completed_ = measured_completed;
+    timeline_errors_ = measured_errors;
   }
   if (options_.on_progress) {
     const double rps =
@@ -1054,7 +1072,8 @@ void Runner::Tick(int64_t now_ns) {
     options_.on_progress(Progress{
         .elapsed = absl::Nanoseconds(now_ns),
         .warming_up = last_tick_ns_ < measure_start_ns_,
-        .target = target,
+        // Past its end the schedule's value is 0: the last tick shows the last one.
+        .target = schedule_.ValueAt(absl::Nanoseconds(std::min(now_ns, end_ns_ - 1))),
         .sent = sent,
         .completed = completed,
         .errors = errors,
@@ -1064,9 +1083,7 @@ void Runner::Tick(int64_t now_ns) {
     });
   }
   last_tick_ns_ = now_ns;
-  last_tick_sent_ = sent;
   last_tick_completed_ = completed;
-  last_tick_errors_ = errors;
 }
 
 void Runner::CancelAll() {
@@ -1162,8 +1179,14 @@ RunResult Runner::Run() {
     std::this_thread::sleep_for(kControlTick);
   }
   if (pacer.joinable()) pacer.join();
+  // The last interval, unless the run ended just after a tick with nothing
+  // since (a point of zeros some microseconds long).
   const int64_t end = NowNs();
-  if (end > last_tick_ns_) Tick(end);
+  if (end > last_tick_ns_ &&
+      (timeline_.empty() || measured_completed_.load() != timeline_completed_ ||
+       measured_sent_.load() != timeline_sent_)) {
+    Tick(end);
+  }
   CloseStreams();
   if (h2_ != nullptr) h2_->Stop();
   for (const std::unique_ptr<Worker>& worker : workers_) worker->Stop();

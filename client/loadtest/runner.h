@@ -39,7 +39,7 @@ struct Progress {
 // One progress interval of the measurement.
 struct TimelinePoint {
   double t_s = 0;  // the interval's end, from the start of the measurement
-  double target = 0;
+  double target = 0;  // the schedule's mean over the interval
   int64_t sent = 0;  // in the interval
   int64_t completed = 0;
   int64_t errors = 0;

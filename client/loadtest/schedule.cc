@@ -126,6 +126,28 @@ double Schedule::ValueAt(absl::Duration t) const {
   return 0;
 }
 
+double Schedule::MeanOver(absl::Duration from, absl::Duration to) const {
+  if (to <= from) return ValueAt(from);
+  // Each phase is linear: its part of the range contributes the mean of
+  // its values at the part's ends times the part's length.
+  double integral = 0;
+  absl::Duration start;
+  for (const Phase& phase : phases_) {
+    const absl::Duration end = start + phase.length;
+    const absl::Duration a = std::max(from, start), b = std::min(to, end);
+    if (a < b) {
+      auto at = [&](absl::Duration t) {
+        if (phase.from == phase.to) return phase.from;
+        return phase.from + (phase.to - phase.from) * absl::FDivDuration(t - start, phase.length);
+      };
+      integral += (at(a) + at(b)) / 2 * absl::ToDoubleSeconds(b - a);
+    }
+    if (end >= to) break;
+    start = end;
+  }
+  return integral / absl::ToDoubleSeconds(to - from);
+}
+
 double Schedule::Peak() const {
   double peak = 0;
   for (const Phase& phase : phases_) peak = std::max({peak, phase.from, phase.to});

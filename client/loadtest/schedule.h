@@ -53,6 +53,9 @@ class Schedule {
   absl::Duration length() const;
   // The rate or concurrency at `t` after the start; 0 past the end.
   double ValueAt(absl::Duration t) const;
+  // Its mean over [from, to) (ValueAt(from) when the range is empty): what
+  // an interval of a ramp promises on average.
+  double MeanOver(absl::Duration from, absl::Duration to) const;
   // The largest value of any phase.
   double Peak() const;
   // In Parse's syntax; an unbounded phase has no "@DURATION".

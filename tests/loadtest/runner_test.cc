@@ -257,13 +257,45 @@ TEST_P(RunnerTransportTest, ConcurrencyStepsFollowTheSchedule) {
   options.progress_interval = absl::Milliseconds(100);
   const RunResult result = RunOk(options);
   ASSERT_FALSE(result.timeline.empty());
-  // Each tick reports the step of its time (a late one, the later step).
+  // Each point reports the schedule's mean over its interval: a step's
+  // value within it, and across the step their mix by time.
+  double from = 0;
   for (const TimelinePoint& point : result.timeline) {
-    EXPECT_EQ(point.target, point.t_s < 0.3 ? 1 : 4) << "at " << point.t_s << " s";
+    const double to = std::min(point.t_s, 0.6);
+    const double want = to <= from ? 4
+                                   : (1 * std::max(0.0, std::min(to, 0.3) - from) +
+                                      4 * std::max(0.0, to - std::max(from, 0.3))) /
+                                         (to - from);
+    EXPECT_NEAR(point.target, want, 1e-6) << "from " << from << " s to " << point.t_s << " s";
+    from = point.t_s;
   }
   EXPECT_EQ(result.timeline.back().target, 4);
   EXPECT_GT(result.stats.requests(), 0);
   EXPECT_EQ(result.stats.errors(), 0);
+}
+
+// The timeline holds the measured calls, as the run's totals do: none of
+// those sent between the end of the warm-up and its (late) tick is lost,
+// and no point of zeros trails the last answer.
+TEST_P(RunnerTransportTest, TheTimelineAddsUpToTheMeasuredCalls) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 2, absl::Milliseconds(600));
+  options.warmup = absl::Milliseconds(250);
+  options.progress_interval = absl::Milliseconds(100);
+  const RunResult result = RunOk(options);
+  int64_t sent = 0, completed = 0, errors = 0;
+  for (const TimelinePoint& point : result.timeline) {
+    sent += point.sent;
+    completed += point.completed;
+    errors += point.errors;
+  }
+  EXPECT_EQ(sent, result.stats.sent);
+  EXPECT_EQ(completed, result.stats.requests());
+  EXPECT_EQ(errors, result.stats.errors());
+  EXPECT_GT(completed, 0);
+  ASSERT_FALSE(result.timeline.empty());
+  EXPECT_GT(result.timeline.back().completed, 0) << "at " << result.timeline.back().t_s << " s";
 }
 
 TEST_P(RunnerTransportTest, AnUnreachableTargetFailsTheRun) {

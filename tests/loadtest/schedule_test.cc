@@ -80,6 +80,17 @@ TEST(ScheduleTest, WithLeadHoldsTheFirstValueFirst) {
             "rate:5@1s");
 }
 
+TEST(ScheduleTest, MeanOverIsTheMeanOfTheRange) {
+  const Schedule schedule = *Schedule::Parse("rate:100@1s,100..300@2s");
+  EXPECT_DOUBLE_EQ(schedule.MeanOver(absl::Seconds(1), absl::Seconds(2)), 150);
+  EXPECT_DOUBLE_EQ(schedule.MeanOver(absl::Seconds(0.5), absl::Seconds(1.5)), 112.5);
+  EXPECT_DOUBLE_EQ(schedule.MeanOver(absl::Seconds(0), absl::Seconds(3)), 500.0 / 3);
+  EXPECT_DOUBLE_EQ(schedule.MeanOver(absl::Seconds(2), absl::Seconds(2)), 200);  // ValueAt
+  EXPECT_DOUBLE_EQ(schedule.MeanOver(absl::Seconds(2.5), absl::Seconds(3.5)), 275.0 / 2);
+  const Schedule unbounded = Schedule::Constant(LoadKind::kRate, 40, absl::InfiniteDuration());
+  EXPECT_DOUBLE_EQ(unbounded.MeanOver(absl::Seconds(5), absl::Seconds(6)), 40);
+}
+
 TEST(SendTimesTest, ConstantArrivalsAreEvenlySpacedFromZero) {
   const std::vector<int64_t> sends =
       AllSends(Schedule::Constant(LoadKind::kRate, 1000, absl::Seconds(1)), Arrival::kConstant);
