@@ -339,6 +339,17 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
   return absl::OkStatus();
 }
 
+// The flags only gRPC's client heeds that are set to other than their
+// defaults: they pick it under auto, and h2 refuses them.
+std::vector<absl::string_view> GrpcOnlyFlags(const LoadtestConfig& config) {
+  std::vector<absl::string_view> set;
+  if (config.threads != LoadtestConfig().threads) set.push_back("--threads");
+  if (config.client.max_attempts != client::ClientOptions().max_attempts) {
+    set.push_back("--max_attempts");
+  }
+  return set;
+}
+
 absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   if (config.targets.empty()) return absl::InvalidArgumentError("no --target given");
   ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
@@ -348,6 +359,12 @@ absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   if (config.transport != "auto" && config.transport != "grpc" && config.transport != "h2") {
     return absl::InvalidArgumentError(
         absl::StrCat("--transport: \"", config.transport, "\" is not one of auto, grpc and h2"));
+  }
+  if (const std::vector<absl::string_view> flags = GrpcOnlyFlags(config);
+      config.transport == "h2" && !flags.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--transport h2 polls on one thread and does not retry; ",
+                     absl::StrJoin(flags, " and "), " need --transport grpc (or auto)"));
   }
   const bool open_loop = schedule.kind() == LoadKind::kRate;
   if (!open_loop && (arrival != Arrival::kConstant || config.max_in_flight > 0)) {
@@ -465,7 +482,8 @@ absl::Status RunScheduledLoad(Prepared& prepared, const LoadtestConfig& config, 
 std::string ResolveTransport(const LoadtestConfig& config, size_t request_bytes) {
   if (config.transport != "auto") return config.transport;
   if (config.sessions != 0) return "grpc";
-  if (config.stream || request_bytes > kMaxH2AutoRequestBytes || config.client.UsesTls()) {
+  if (config.stream || request_bytes > kMaxH2AutoRequestBytes || config.client.UsesTls() ||
+      !GrpcOnlyFlags(config).empty()) {
     return "grpc";
   }
   for (const std::string& target : config.targets) {

@@ -251,6 +251,14 @@ TEST_F(LoadtestServerTest, SetupErrorsExitWithOne) {
   config.transport = "h3";
   EXPECT_THAT(RunConfig(config).err,
               HasSubstr("--transport: \"h3\" is not one of auto, grpc and h2"));
+
+  config = Config();
+  config.transport = "h2";
+  config.threads = 2;
+  config.client.max_attempts = 1;
+  EXPECT_THAT(RunConfig(config).err,
+              HasSubstr("--transport h2 polls on one thread and does not retry; --threads and "
+                        "--max_attempts need --transport grpc (or auto)"));
 }
 
 TEST(LoadtestTransportTest, AutoTakesH2WhereItCanCarryTheRun) {
@@ -274,6 +282,13 @@ TEST(LoadtestTransportTest, AutoTakesH2WhereItCanCarryTheRun) {
   config.client.tls_ca_file = "ca.pem";
   EXPECT_EQ(ResolveTransport(config, kSmall), "grpc");
   config.client.tls_ca_file.clear();
+  config.threads = 2;  // options only gRPC's client has
+  EXPECT_EQ(ResolveTransport(config, kSmall), "grpc");
+  config.threads = 1;
+  config.client.max_attempts = 1;
+  EXPECT_EQ(ResolveTransport(config, kSmall), "grpc");
+  config.client.max_attempts = client::ClientOptions().max_attempts;
+  EXPECT_EQ(ResolveTransport(config, kSmall), "h2");
   config.transport = "grpc";
   EXPECT_EQ(ResolveTransport(config, kSmall), "grpc");
   config.transport = "h2";
