@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -350,8 +351,28 @@ std::vector<absl::string_view> GrpcOnlyFlags(const LoadtestConfig& config) {
   return set;
 }
 
+// A report file whose folder is missing fails before the run, not after it.
+absl::Status CheckOutputFolders(const LoadtestConfig& config) {
+  const std::pair<absl::string_view, const std::string*> files[] = {
+      {"--json", &config.json_file},
+      {"--csv", &config.csv_file},
+      {"--histogram_log", &config.histogram_log_file},
+      {"--html", &config.html_file}};
+  for (const auto& [flag, file] : files) {
+    if (file->empty()) continue;
+    const std::filesystem::path folder = std::filesystem::path(*file).parent_path();
+    std::error_code ec;
+    if (!folder.empty() && !std::filesystem::is_directory(folder, ec)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " ", *file, ": the folder ", folder.string(), " does not exist"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   if (config.targets.empty()) return absl::InvalidArgumentError("no --target given");
+  ATTN_RETURN_IF_ERROR(CheckOutputFolders(config));
   ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
   if (config.sessions != 0) return PrepareSessions(config, prepared);
   ATTN_ASSIGN_OR_RETURN(Schedule schedule, MakeSchedule(config));

@@ -253,6 +253,14 @@ TEST_F(LoadtestServerTest, SetupErrorsExitWithOne) {
               HasSubstr("--transport: \"h3\" is not one of auto, grpc and h2"));
 
   config = Config();
+  config.json_file = "/nonexistent/folder/run.json";
+  const Outcome missing_folder = RunConfig(config);
+  EXPECT_EQ(missing_folder.exit_code, kExitSetup);
+  EXPECT_THAT(missing_folder.err, HasSubstr("--json /nonexistent/folder/run.json: the folder "
+                                            "/nonexistent/folder does not exist"));
+  EXPECT_THAT(missing_folder.out, ::testing::IsEmpty()) << "it did not run";
+
+  config = Config();
   config.transport = "h2";
   config.threads = 2;
   config.client.max_attempts = 1;
