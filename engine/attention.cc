@@ -590,11 +590,14 @@ absl::StatusOr<AttentionShape> ResolveShape(const AttentionArgs& args) {
     const char* field;
     int64_t b;
   } batches[] = {{"query", bq}, {"key", bk}, {"value", bv}};
+  // The first tensor of the largest batch, to name against the others.
+  const Batch& largest = *std::find_if(std::begin(batches), std::end(batches),
+                                       [&](const Batch& bt) { return bt.b == s.batch; });
   for (const auto& bt : batches) {
     if (bt.b != s.batch && bt.b != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(bt.field, ": batch size ", bt.b,
-                                                     " does not match batch size ", s.batch,
-                                                     " (a batch dim of 1 broadcasts)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(bt.field, ": batch size ", bt.b, " does not match ", largest.field,
+                       "'s batch size ", s.batch, " (a batch dim of 1 broadcasts)"));
     }
   }
   ATTN_RETURN_IF_ERROR(CheckScore(args.score, s));

@@ -54,7 +54,8 @@ TEST_F(ValidationTest, RejectsMismatchedBatch) {
   EXPECT_THAT(Attend([](v1::AttendRequest& r) {
                 *r.mutable_query() = Ramp({3, 3, 4});
               }),
-              StatusIs(kInvalid, HasSubstr("key: batch size 2")));
+              StatusIs(kInvalid, HasSubstr("key: batch size 2 does not match query's batch size "
+                                           "3 (a batch dim of 1 broadcasts)")));
 }
 
 TEST_F(ValidationTest, RejectsValueSequenceLengthOtherThanKeys) {
