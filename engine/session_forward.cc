@@ -167,11 +167,11 @@ absl::StatusOr<SessionPlan> PlanSession(const EngineCall& call) {
       // The tensor whose shape differs (by the self-attention rule, the
       // query may stand for the keys, and the keys for the values); a
       // read-only request's shape is its first session's.
-      const char* keys = a.key.present() ? "key" : "query";
-      const char* field = sc.read_only                                             ? "session.ids"
-                          : c.kv_heads() != s.kv_heads || c.key_dim() != s.key_dim ? keys
-                          : a.value.present()                                      ? "value"
-                                                                                   : keys;
+      const bool keys_differ = c.kv_heads() != s.kv_heads || c.key_dim() != s.key_dim;
+      const char* field = sc.read_only                        ? "session.ids"
+                          : !keys_differ && a.value.present() ? "value"
+                          : a.key.present()                   ? "key"
+                                                              : "query";
       return absl::InvalidArgumentError(absl::StrCat(
           field, ": session.ids[", b, "]'s session holds ", c.kv_heads(), " key/value heads of ",
           c.key_dim(), " (keys) and ", c.value_dim(), " (values); this request has ", s.kv_heads,
