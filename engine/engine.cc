@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -24,12 +25,16 @@
 namespace attention {
 namespace {
 
+// The payload that marks an OverLimitError; its value is the limit's name.
+constexpr absl::string_view kOverLimitPayload = "attention.v1/over_limit";
+
 absl::Status CheckTensorLimit(const TensorView& v, const char* field, int64_t limit) {
   if (limit == 0 || !v.present()) return absl::OkStatus();
   ATTN_ASSIGN_OR_RETURN(int64_t n, internal::CheckedElementCount(v.shape, field));
   if (n <= limit) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(field, ": ", n, " elements exceed the limit of ",
-                                                   limit, " elements per tensor"));
+  return OverLimitError("max_tensor_elements",
+                        absl::StrCat(field, ": ", n, " elements exceed the limit of ", limit,
+                                     " elements per tensor"));
 }
 
 // Every tensor of `args` against max_tensor_elements.
@@ -65,21 +70,23 @@ absl::Status CheckShapeLimits(const AttentionShape& s, bool need_weights, const 
     overflow |= __builtin_mul_overflow(outputs, d, &outputs);
   }
   if (overflow) {
-    return absl::ResourceExhaustedError(absl::StrCat("query, key: B*H*L*S = ", s.batch, "*",
-                                                     s.heads, "*", s.query_len, "*", s.key_len,
-                                                     " or B*H*L*Dv overflows"));
+    return OverLimitError("max_tensor_elements",
+                          absl::StrCat("query, key: B*H*L*S = ", s.batch, "*", s.heads, "*",
+                                       s.query_len, "*", s.key_len, " or B*H*L*Dv overflows"));
   }
   if (need_weights && o.max_score_elements != 0 && scores > o.max_score_elements) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "need_weights: B*H*L*S = ", s.batch, "*", s.heads, "*", s.query_len, "*", s.key_len, " = ",
-        scores, " exceeds the limit of ", o.max_score_elements,
-        " score elements per request that returns its weights (without weights any length "
-        "passes this limit)"));
+    return OverLimitError(
+        "max_score_elements",
+        absl::StrCat(
+            "need_weights: B*H*L*S = ", s.batch, "*", s.heads, "*", s.query_len, "*", s.key_len,
+            " = ", scores, " exceeds the limit of ", o.max_score_elements,
+            " score elements per request that returns its weights (without weights any length "
+            "passes this limit)"));
   }
   if (o.max_tensor_elements != 0 && outputs > o.max_tensor_elements) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("output: ", outputs, " elements exceed the limit of ", o.max_tensor_elements,
-                     " elements per tensor"));
+    return OverLimitError("max_tensor_elements",
+                          absl::StrCat("output: ", outputs, " elements exceed the limit of ",
+                                       o.max_tensor_elements, " elements per tensor"));
   }
   return absl::OkStatus();
 }
@@ -97,16 +104,19 @@ std::string MiB(double bytes) {
 // A call's cost against max_request_bytes and max_request_flops.
 absl::Status CheckCost(const CallCost& c, const EngineOptions& o) {
   if (o.max_request_bytes != 0 && c.bytes() > static_cast<double>(o.max_request_bytes)) {
-    return absl::ResourceExhaustedError(
+    return OverLimitError(
+        "max_request_mb",
         absl::StrCat("request: would allocate ", MiB(c.bytes()), " MiB (output ",
                      MiB(c.output_bytes()), ", weights ", MiB(c.weights_bytes()),
                      ", working memory ", MiB(c.scratch_bytes), "), over the limit of ",
                      MiB(static_cast<double>(o.max_request_bytes)), " MiB per request"));
   }
   if (o.max_request_flops != 0 && c.flops > o.max_request_flops) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request: needs ", std::llround(c.flops / 1e9), " GFLOP of compute, over the limit of ",
-        std::llround(o.max_request_flops / 1e9), " GFLOP per request"));
+    return OverLimitError(
+        "max_request_gflop",
+        absl::StrCat("request: needs ", std::llround(c.flops / 1e9),
+                     " GFLOP of compute, over the limit of ",
+                     std::llround(o.max_request_flops / 1e9), " GFLOP per request"));
   }
   return absl::OkStatus();
 }
@@ -157,6 +167,18 @@ absl::StatusOr<CallCost> CheckSessionLimits(const internal::SessionPlan& plan, i
 }
 
 }  // namespace
+
+absl::Status OverLimitError(absl::string_view limit, absl::string_view message) {
+  absl::Status status = absl::ResourceExhaustedError(message);
+  status.SetPayload(kOverLimitPayload, absl::Cord(limit));
+  return status;
+}
+
+std::string RequestOverLimit(const absl::Status& status) {
+  if (!absl::IsResourceExhausted(status)) return "";
+  const auto limit = status.GetPayload(kOverLimitPayload);  // absl::optional<absl::Cord>
+  return limit.has_value() ? std::string(*limit) : "";
+}
 
 // The worker thread runs every Attend / AttendBatch, in arrival order, and the
 // backend's parallelism (OpenMP) fans out from it. AttendBatchFromThisThread

@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "engine/attention.h"
 #include "engine/cost.h"
@@ -58,6 +60,15 @@ struct EngineOptions {
   // holds the cores for minutes (2e12 is some 10-20 s here); 0 means no limit.
   double max_request_flops = 2e12;
 };
+
+// RESOURCE_EXHAUSTED for a request over one of the per-request limits, which
+// it would pass on no replica at any time (unlike a full queue or memory
+// budget): retrying it cannot help, and it says nothing of the server's
+// health. `limit` is the limit's server flag ("max_tensor_elements"); the
+// status carries it, not the wire: RequestOverLimit reads it back.
+absl::Status OverLimitError(absl::string_view limit, absl::string_view message);
+// The limit an OverLimitError names; empty for any other status.
+std::string RequestOverLimit(const absl::Status& status);
 
 // Computes attention. Thread-safe. Attend and AttendBatch, from any number of
 // threads, run one at a time on the engine's worker thread, so their callers

@@ -144,14 +144,17 @@ void AttentionServiceImpl::NameReplica(grpc::CallbackServerContext* context) con
 }
 
 void AttentionServiceImpl::Record(absl::string_view method, absl::string_view model,
-                                  const grpc::Status& status, absl::Time start,
+                                  const absl::Status& status, absl::Time start,
                                   const JobTiming* timing) const {
   const double total = absl::ToDoubleSeconds(absl::Now() - start);
   // The label names a registered model, never whatever a caller sent: each
   // made-up name would otherwise add a series, and memory, for good.
   const absl::string_view label =
       model.empty() || models_->Find(model) != nullptr ? model : kUnknownModelLabel;
-  metrics_->CountRequest(method, label, status.error_code());
+  metrics_->CountRequest(method, label, static_cast<int>(status.code()));
+  if (const std::string limit = RequestOverLimit(status); !limit.empty()) {
+    metrics_->CountOverLimit(method, limit);
+  }
   metrics_->ObserveSeconds("total", method, total);
   if (timing != nullptr && timing->queued) {
     metrics_->ObserveSeconds("queue", method, timing->queue_us * 1e-6);
@@ -162,10 +165,10 @@ void AttentionServiceImpl::Record(absl::string_view method, absl::string_view mo
   if (!spdlog::should_log(spdlog::level::debug)) return;
   spdlog::debug("{} model={} code={} total_us={} queue_us={} compute_us={} batch={}{}{}",
                 std::string(method), model.empty() ? "-" : std::string(model),
-                static_cast<int>(status.error_code()), static_cast<int64_t>(total * 1e6),
+                static_cast<int>(status.code()), static_cast<int64_t>(total * 1e6),
                 timing ? timing->queue_us : 0, timing ? timing->compute_us : 0,
                 timing ? timing->batch_size : 0,
-                status.ok() ? "" : " error=", status.error_message());
+                status.ok() ? "" : " error=", std::string(status.message()));
 }
 
 absl::Status AttentionServiceImpl::Admit(const grpc::CallbackServerContext& context) const {
@@ -182,9 +185,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FinishUnary(grpc::ServerUnaryRea
                                                             absl::string_view model,
                                                             absl::Time start,
                                                             const absl::Status& status) const {
-  const grpc::Status wire = ToGrpcStatus(status);
-  Record(method, model, wire, start, nullptr);
-  reactor->Finish(wire);
+  Record(method, model, status, start, nullptr);
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 
@@ -220,11 +222,13 @@ absl::Status AttentionServiceImpl::CheckAnswerSize(const CallCost& cost,
   const double weights = cost.weights_elements * WireElementBytes(output_dtype);
   const double answer = AnswerBytes(cost, output_dtype);
   if (answer <= static_cast<double>(options_.max_message_bytes)) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "answer: ", static_cast<int64_t>(answer), " bytes (output ", static_cast<int64_t>(output),
-      ", weights ", static_cast<int64_t>(weights),
-      ") would exceed the largest message the server sends, ", options_.max_message_bytes,
-      " bytes (--max_message_mb)", weights > 0 ? "; ask without need_weights" : ""));
+  return OverLimitError(
+      "max_message_mb",
+      absl::StrCat("answer: ", static_cast<int64_t>(answer), " bytes (output ",
+                   static_cast<int64_t>(output), ", weights ", static_cast<int64_t>(weights),
+                   ") would exceed the largest message the server sends, ",
+                   options_.max_message_bytes, " bytes (--max_message_mb)",
+                   weights > 0 ? "; ask without need_weights" : ""));
 }
 
 absl::Status AttentionServiceImpl::ReserveMemory(const CallCost& cost,
@@ -354,10 +358,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     }
     FinishSessions(session, status.ok());
     DropTensors(*request);
-    const grpc::Status wire = ToGrpcStatus(status);
-    Record("Attend", request->model(), wire, start, &timing);
+    Record("Attend", request->model(), status, start, &timing);
     metrics_->AddInFlight(-1);
-    reactor->Finish(wire);
+    reactor->Finish(ToGrpcStatus(status));
   };
   if (absl::Status queued = Submit(*std::move(job), *request, session); !queued.ok()) {
     metrics_->AddInFlight(-1);
@@ -442,8 +445,7 @@ class AttentionServiceImpl::StreamReactor final
         }
         service_->FinishSessions(session, answer.ok());
         DropTensors(*request);
-        service_->Record("AttendStream", request->model(), ToGrpcStatus(answer.status()), start,
-                         &timing);
+        service_->Record("AttendStream", request->model(), answer.status(), start, &timing);
         absl::MutexLock lock(&mu_);
         AnswerLocked(*request, std::move(answer), std::move(*lease));
       };
@@ -453,7 +455,7 @@ class AttentionServiceImpl::StreamReactor final
     }
     absl::MutexLock lock(&mu_);
     if (!refused.ok()) {
-      service_->Record("AttendStream", request->model(), ToGrpcStatus(refused), start, nullptr);
+      service_->Record("AttendStream", request->model(), refused, start, nullptr);
       AnswerLocked(*request, refused, {});
     }
     if (!reading_ && !reads_done_ && !cancelled_ && !finished_ && in_flight_ < kMaxStreamInFlight) {

@@ -124,8 +124,9 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   static constexpr int kMaxStreamInFlight = 32;
 
   absl::StatusOr<const Model*> FindModel(absl::string_view name) const;
-  // Records a finished call of `method` in the metrics (and the debug log).
-  void Record(absl::string_view method, absl::string_view model, const grpc::Status& status,
+  // Records a finished call of `method` in the metrics (and the debug log),
+  // and whether `status` refused it for a per-request limit.
+  void Record(absl::string_view method, absl::string_view model, const absl::Status& status,
               absl::Time start, const JobTiming* timing) const;
   // Whether a new call is taken: UNAVAILABLE once draining, UNAUTHENTICATED
   // unless it carries the bearer token (when auth is on).

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "engine/engine.h"
 
 namespace attention::server {
 namespace {
@@ -36,10 +37,12 @@ absl::StatusOr<MemoryBudget::Lease> MemoryBudget::Reserve(int64_t bytes) {
   {
     absl::MutexLock lock(&mu_);
     if (limit_ > 0 && bytes > limit_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "memory: this call would hold ", MiB(bytes), " (request, working memory and answer), ",
-          "more than the server's whole memory budget of ", MiB(limit_),
-          " (--memory_budget_mb); send a smaller request"));
+      return OverLimitError(
+          "memory_budget_mb",
+          absl::StrCat("memory: this call would hold ", MiB(bytes),
+                       " (request, working memory and answer), ",
+                       "more than the server's whole memory budget of ", MiB(limit_),
+                       " (--memory_budget_mb); send a smaller request"));
     }
     if (limit_ > 0 && reserved_ + bytes > limit_) {
       return absl::ResourceExhaustedError(absl::StrCat(

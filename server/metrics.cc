@@ -178,7 +178,17 @@ Metrics::Metrics()
     : batch_size_(BatchSizeBuckets().size()),
       not_computed_{{"cancelled", 0}, {"deadline_exceeded", 0}},
       interrupted_{{"cancelled", 0}, {"deadline_exceeded", 0}},
-      sessions_ended_{{"closed", 0}, {"evicted", 0}, {"expired", 0}, {"failed", 0}} {}
+      sessions_ended_{{"closed", 0}, {"evicted", 0}, {"expired", 0}, {"failed", 0}} {
+  // The limits whose OverLimitError a call can get (engine/engine.cc,
+  // memory_budget.cc, session_store.cc, attention_service.cc).
+  for (const char* method : {"Attend", "AttendStream"}) {
+    for (const char* limit :
+         {"max_tensor_elements", "max_score_elements", "max_request_mb", "max_request_gflop",
+          "memory_budget_mb", "max_message_mb", "session_memory_mb"}) {
+      over_limit_[{method, limit}] = 0;
+    }
+  }
+}
 
 void Metrics::Observe(const std::vector<double>& bounds, double value, Histogram* histogram) {
   // The first bucket whose bound is >= value; past the end is +Inf.
@@ -192,6 +202,12 @@ void Metrics::CountRequest(absl::string_view method, absl::string_view model, in
   RequestKey key{std::string(method), std::string(model), grpc_code};
   absl::MutexLock lock(&mu_);
   ++requests_[std::move(key)];
+}
+
+void Metrics::CountOverLimit(absl::string_view method, absl::string_view limit) {
+  std::pair<std::string, std::string> key{std::string(method), std::string(limit)};
+  absl::MutexLock lock(&mu_);
+  ++over_limit_[std::move(key)];
 }
 
 void Metrics::ObserveSeconds(absl::string_view stage, absl::string_view method, double seconds) {
@@ -273,6 +289,16 @@ std::string Metrics::RenderPrometheus() const {
     AppendSample("attention_requests_total",
                  RenderLabels({{"method", method}, {"model", model}, {"code", CodeName(code)}}),
                  absl::StrCat(count), &out);
+  }
+
+  AppendHeader("attention_requests_over_limit_total", "counter",
+               "Calls refused RESOURCE_EXHAUSTED for going over a per-request limit (named by its "
+               "flag), which no retry passes: a caller's mistake, not the server's load.",
+               &out);
+  for (const auto& [key, count] : over_limit_) {
+    AppendSample("attention_requests_over_limit_total",
+                 RenderLabels({{"method", key.first}, {"limit", key.second}}), absl::StrCat(count),
+                 &out);
   }
 
   AppendHeader("attention_latency_seconds", "histogram",

@@ -22,6 +22,7 @@ namespace attention::server {
 // Counters, gauges and histograms of one server, rendered in the Prometheus
 // text exposition format 0.0.4:
 //   attention_requests_total{method,model,code}            counter
+//   attention_requests_over_limit_total{method,limit}      counter
 //   attention_latency_seconds{stage,method}                histogram
 //   attention_batch_size                                   histogram
 //   attention_queue_depth, attention_in_flight             gauges
@@ -59,6 +60,11 @@ class Metrics {
   // attention) with gRPC status code `grpc_code` (rendered by name: "OK",
   // "INVALID_ARGUMENT", ...; unknown numbers as digits).
   void CountRequest(absl::string_view method, absl::string_view model, int grpc_code);
+  // One of those calls refused RESOURCE_EXHAUSTED for going over the
+  // per-request `limit` (its flag's name, engine's OverLimitError). Attend
+  // and AttendStream with every limit the server has are rendered from the
+  // start, at 0, so that alerts may subtract them from the errors.
+  void CountOverLimit(absl::string_view method, absl::string_view limit);
   // One latency observation of `stage` ("queue", "compute" or "total") for
   // `method`. Negative values count as 0; NaN is dropped.
   void ObserveSeconds(absl::string_view stage, absl::string_view method, double seconds);
@@ -120,6 +126,8 @@ class Metrics {
 
   mutable absl::Mutex mu_;
   std::map<RequestKey, uint64_t> requests_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, uint64_t> over_limit_  // method, limit
+      ABSL_GUARDED_BY(mu_);
   std::map<StageKey, Histogram> latency_ ABSL_GUARDED_BY(mu_);
   Histogram batch_size_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> not_computed_ ABSL_GUARDED_BY(mu_);

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/enum_name.h"
 #include "common/status_macros.h"
+#include "engine/engine.h"
 
 namespace attention::server {
 namespace {
@@ -326,9 +327,12 @@ absl::Status SessionStore::Reserve(SessionRequest& request) {
     }
     if (own + growth > cap) {
       const std::string held = own > 0 ? absl::StrCat(" more and its sessions hold ", Size(own)) : "";
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "session caches: this request's rows need ", Size(growth), held, ", more than the ",
-          Size(cap), " all sessions may hold (--session_memory_mb); send fewer rows per request"));
+      return OverLimitError(
+          "session_memory_mb",
+          absl::StrCat(
+              "session caches: this request's rows need ", Size(growth), held, ", more than the ",
+              Size(cap),
+              " all sessions may hold (--session_memory_mb); send fewer rows per request"));
     }
     std::vector<std::pair<absl::Time, std::string>> idle;
     int64_t idle_bytes = 0, busy = 0;

@@ -10,7 +10,7 @@
 - the alert rules of deploy/prometheus/alerts.yml are loaded and healthy;
 - every query of the Grafana dashboard (deploy/grafana) runs, and every
   one but the error panel's (no errors here) returns series; the error
-  panel's ratio takes the methods and codes of AttentionErrorRatioHigh's.
+  panel's ratios take the methods and codes of AttentionErrorRatioHigh's.
 
 usage: prometheus_check.py PROMETHEUS_URL METRICS_URL LOAD.json SESSIONS.json
                            SESSION_INFO.json OPEN_SESSION_ROWS DASHBOARD.json
@@ -181,9 +181,13 @@ for panel in dashboard["panels"]:
             check(False, f"dashboard \"{panel['title']}\" {target['refId']}: {e}")
 
 # The error panel shows what AttentionErrorRatioHigh watches: the same
-# methods and codes on both sides of its ratio.
-def request_selectors(expr):
-    return re.findall(r"attention_requests_total\{([^}]*)\}", expr)
+# methods and codes on both sides of its ratio (the alert names the
+# denominator's selector twice, once as its fallback for a replica without
+# attention_requests_over_limit_total), and the share over a limit that the
+# alert leaves out.
+def request_selectors(expr, metric="attention_requests_total"):
+    found = re.findall(metric + r"\{([^}]*)\}", expr)
+    return [s for i, s in enumerate(found) if s not in found[:i]]
 
 
 def matchers(selector, name):
@@ -191,15 +195,18 @@ def matchers(selector, name):
 
 
 alert = next((r for r in alerts if r["name"] == "AttentionErrorRatioHigh"), None)
-panel = next((t["expr"] for p in dashboard["panels"] for t in p["targets"]
-              if p["title"] == "Errors on the server's side"), None)
-if alert is None or panel is None:
+panel = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"]
+                 if p["title"] == "Errors on the server's side")
+if alert is None or not panel:
     check(False, "AttentionErrorRatioHigh and the error panel both exist")
 else:
-    want = [(matchers(s, "method"), matchers(s, "code")) for s in request_selectors(alert["query"])]
-    got = [(matchers(s, "method"), matchers(s, "code")) for s in request_selectors(panel)]
-    check(len(want) == 2 and got == want,
-          f"the error panel's methods and codes {got} are the alert's {want}")
+    for metric in ("attention_requests_total", "attention_requests_over_limit_total"):
+        want = [(matchers(s, "method"), matchers(s, "code"))
+                for s in request_selectors(alert["query"], metric)]
+        got = [(matchers(s, "method"), matchers(s, "code"))
+               for s in request_selectors(panel, metric)]
+        check(len(want) == (2 if metric == "attention_requests_total" else 1) and got == want,
+              f"the error panel's {metric} methods and codes {got} are the alert's {want}")
 
 if failures:
     print(f"prometheus_check: {len(failures)} failed")

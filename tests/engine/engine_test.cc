@@ -300,6 +300,7 @@ TEST_F(EngineTest, EnforcesTheScoreElementLimitOnCallsThatReturnWeights) {
   EXPECT_THAT((*small)->Attend(with_weights),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("need_weights: B*H*L*S = 2*2*3*5")));
+  EXPECT_EQ(RequestOverLimit((*small)->Attend(with_weights).status()), "max_score_elements");
   // Without weights the scores are computed in blocks and never held.
   AttentionArgs without = Basic();
   without.need_weights = false;
@@ -319,10 +320,12 @@ TEST_F(EngineTest, EnforcesTheRequestMemoryAndComputeLimits) {
   EXPECT_THAT((*no_memory)->Attend(args),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("MiB per request")));
+  EXPECT_EQ(RequestOverLimit((*no_memory)->Attend(args).status()), "max_request_mb");
   auto no_compute = Engine::Create(EngineOptions{.max_request_flops = 10});
   ASSERT_TRUE(no_compute.ok());
   EXPECT_THAT((*no_compute)->Attend(args),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("GFLOP per request")));
+  EXPECT_EQ(RequestOverLimit((*no_compute)->Attend(args).status()), "max_request_gflop");
   EXPECT_THAT(Engine::Create(EngineOptions{.max_request_bytes = -1}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(">= 0")));
 }
@@ -332,6 +335,12 @@ TEST_F(EngineTest, EnforcesTheTensorElementLimit) {
   ASSERT_TRUE(small.ok());
   EXPECT_THAT((*small)->Attend(Basic()),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("query: 48 elements")));
+  EXPECT_EQ(RequestOverLimit((*small)->Attend(Basic()).status()), "max_tensor_elements");
+  // Only those errors name a limit; the wire never carries it.
+  EXPECT_EQ(RequestOverLimit(absl::ResourceExhaustedError("queue full")), "");
+  EXPECT_EQ(RequestOverLimit(absl::OkStatus()), "");
+  absl::Status marked = OverLimitError("max_tensor_elements", "x");
+  EXPECT_EQ(RequestOverLimit(absl::Status(absl::StatusCode::kInternal, marked.message())), "");
 }
 
 // Regression (hostile_input_test): a query row whose scores were all NaN

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "engine/engine.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
@@ -42,6 +43,8 @@ TEST(MemoryBudgetTest, ACallPastWhatIsLeftIsRefusedWithTheNumbers) {
       StatusIs(absl::StatusCode::kResourceExhausted,
                HasSubstr("would hold 3.0 MiB, but 1 calls in flight hold 8.0 MiB of the "
                          "server's memory budget of 10.0 MiB (--memory_budget_mb); retry")));
+  // The load of the moment, not the request: not a request over a limit.
+  EXPECT_EQ(RequestOverLimit(budget.Reserve(3 * kMiB).status()), "");
   EXPECT_EQ(budget.reserved(), 8 * kMiB);  // a refusal reserves nothing
   MemoryBudget::Lease moved = *std::move(held);
   EXPECT_EQ(budget.reserved(), 8 * kMiB);  // moving keeps the one reservation
@@ -55,6 +58,7 @@ TEST(MemoryBudgetTest, ACallLargerThanTheWholeBudgetIsRefusedForGood) {
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("would hold 11.0 MiB (request, working memory and answer), more "
                                  "than the server's whole memory budget of 10.0 MiB")));
+  EXPECT_EQ(RequestOverLimit(budget.Reserve(11 * kMiB).status()), "memory_budget_mb");
 }
 
 TEST(MemoryBudgetTest, ZeroMeansNoLimit) {

@@ -255,6 +255,7 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
   const Exposition exposition = Parse(metrics.RenderPrometheus());
   EXPECT_EQ(exposition.types, (std::map<std::string, std::string>{
                                   {"attention_requests_total", "counter"},
+                                  {"attention_requests_over_limit_total", "counter"},
                                   {"attention_latency_seconds", "histogram"},
                                   {"attention_batch_size", "histogram"},
                                   {"attention_queue_depth", "gauge"},
@@ -435,6 +436,28 @@ TEST(MetricsTest, CountsRequestsNotComputedByReason) {
               Optional(1.0));
   EXPECT_THAT(exposition.Value("attention_not_computed_total", {{"reason", "deadline_exceeded"}}),
               Optional(2.0));
+}
+
+TEST(MetricsTest, OverLimitCountsStartAtZeroForEveryMethodAndLimit) {
+  Metrics metrics;
+  metrics.CountOverLimit("AttendStream", "max_message_mb");
+  metrics.CountOverLimit("Attend", "some_new_limit");
+  const Exposition exposition = Parse(metrics.RenderPrometheus());
+  for (const char* method : {"Attend", "AttendStream"}) {
+    for (const char* limit :
+         {"max_tensor_elements", "max_score_elements", "max_request_mb", "max_request_gflop",
+          "memory_budget_mb", "max_message_mb", "session_memory_mb"}) {
+      SCOPED_TRACE(absl::StrCat(method, " ", limit));
+      const bool counted =
+          std::string(method) == "AttendStream" && std::string(limit) == "max_message_mb";
+      EXPECT_THAT(exposition.Value("attention_requests_over_limit_total",
+                                   {{"method", method}, {"limit", limit}}),
+                  Optional(counted ? 1.0 : 0.0));
+    }
+  }
+  EXPECT_THAT(exposition.Value("attention_requests_over_limit_total",
+                               {{"method", "Attend"}, {"limit", "some_new_limit"}}),
+              Optional(1.0));
 }
 
 TEST(MetricsTest, EscapesBackslashQuoteAndNewlineInLabelValues) {

@@ -206,6 +206,56 @@ TEST(MetricsEndToEndTest, ScrapedMetricsCountRequestsByCodeAndTimeThem) {
   EXPECT_EQ(m.at("attention_queue_depth"), 0);
 }
 
+// A request over a per-request limit is RESOURCE_EXHAUSTED, as a full queue
+// is, but it is the caller's doing: it counts in
+// attention_requests_over_limit_total too, which the error-ratio alert
+// subtracts (deploy/prometheus/alerts.yml).
+TEST(MetricsEndToEndTest, RequestsOverALimitAreCountedApart) {
+  ServerOptions options;
+  options.engine.max_tensor_elements = 48;  // Small()'s query has 48
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  v1::AttendRequest big = Small("big");
+  *big.mutable_query() = Ramp({1, 12, 8});
+  EXPECT_THAT((*server)->client().Attend(big),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("query: 96 elements")));
+  ASSERT_THAT((*server)->client().Attend(Small()), IsOk());
+  {
+    auto stub = v1::AttentionService::NewStub((*server)->client().channel());
+    grpc::ClientContext context;
+    auto stream = stub->AttendStream(&context);
+    ASSERT_TRUE(stream->Write(big));
+    ASSERT_TRUE(stream->Write(Small("small")));
+    stream->WritesDone();
+    v1::AttendResponse response;
+    int answers = 0;
+    while (stream->Read(&response)) {
+      ++answers;
+      EXPECT_EQ(response.status().code(), response.id() == "big"
+                                              ? grpc::StatusCode::RESOURCE_EXHAUSTED
+                                              : grpc::StatusCode::OK)
+          << response.id();
+    }
+    EXPECT_EQ(answers, 2);
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  const std::map<std::string, double> m =
+      ParseMetrics((*server)->server().metrics().RenderPrometheus());
+  for (const char* method : {"Attend", "AttendStream"}) {
+    SCOPED_TRACE(method);
+    EXPECT_EQ(m.at(absl::StrCat("attention_requests_total{method=\"", method,
+                                "\",model=\"\",code=\"RESOURCE_EXHAUSTED\"}")),
+              1);
+    EXPECT_EQ(m.at(absl::StrCat("attention_requests_over_limit_total{method=\"", method,
+                                "\",limit=\"max_tensor_elements\"}")),
+              1);
+    // The other limits are there from the start, at 0.
+    EXPECT_EQ(m.at(absl::StrCat("attention_requests_over_limit_total{method=\"", method,
+                                "\",limit=\"max_score_elements\"}")),
+              0);
+  }
+}
+
 // --malloc_trim_idle_seconds: once the calls are over, the server gives its
 // heap's free pages back (server/heap_trimmer.h has the unit tests).
 TEST(HeapTrimEndToEndTest, TheServerTrimsOnceItsCallsAreOver) {

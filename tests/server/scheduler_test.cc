@@ -126,8 +126,10 @@ TEST_F(SchedulerTest, AFullQueueRefusesWithResourceExhausted) {
   started.WaitForNotification();  // the dispatcher holds it; the queue is empty
   ASSERT_THAT(scheduler.Submit(MakeJob(&a)), testing::IsOk());
   ASSERT_THAT(scheduler.Submit(MakeJob(&b)), testing::IsOk());
-  EXPECT_THAT(scheduler.Submit(MakeJob(&refused)),
+  const absl::Status full = scheduler.Submit(MakeJob(&refused));
+  EXPECT_THAT(full,
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("queue full: 2 requests")));
+  EXPECT_EQ(RequestOverLimit(full), "");  // the load of the moment, not the request
   EXPECT_EQ(scheduler.queue_depth(), 2);
   release.Notify();
   for (Outcome* o : {&blocked, &a, &b}) {

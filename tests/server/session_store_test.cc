@@ -219,7 +219,9 @@ TEST(SessionStoreTest, EvictsTheLeastRecentlyUsedIdleSessionOnly) {
   SessionRequest fourth = Request("fourth", 0, true, 1);
   store.Acquire({"fourth"}, [](bool) {});
   ASSERT_THAT(store.Begin(fourth, Kind()), IsOk());
-  EXPECT_THAT(store.Reserve(fourth),
+  const absl::Status full = store.Reserve(fourth);
+  EXPECT_EQ(RequestOverLimit(full), "");  // the load of the moment, not the request
+  EXPECT_THAT(full,
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("this request's rows need 2.0 KiB more, and 4.0 KiB of the "
                                  "4.0 KiB all sessions may hold (--session_memory_mb) are held: "
@@ -265,7 +267,9 @@ TEST(SessionStoreTest, ARequestLargerThanTheLimitIsToldSo) {
   SessionRequest big = Request("big", 0, true, 3 * KvCache::kBlockRows);
   store.Acquire(big.ids, [](bool) {});
   ASSERT_THAT(store.Begin(big, Kind()), IsOk());
-  EXPECT_THAT(store.Reserve(big),
+  const absl::Status too_big = store.Reserve(big);
+  EXPECT_EQ(RequestOverLimit(too_big), "session_memory_mb");
+  EXPECT_THAT(too_big,
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("this request's rows need 6.0 KiB, more than the 4.0 KiB all "
                                  "sessions may hold (--session_memory_mb); send fewer rows")));
