@@ -211,10 +211,19 @@ absl::Status ParseAndReleaseMessage(grpc::ByteBuffer* buffer,
                                     google::protobuf::MessageLite* message) {
   return OutOfMemoryAsStatus("request parsing", [&]() -> absl::Status {
     std::vector<grpc::Slice> slices;
-    if (!buffer->Dump(&slices).ok()) return InvalidMessage(*message);
+    // A message that fails to parse keeps nothing of what did: a stream
+    // answers it with an empty id, never with the part of an id before the
+    // bad bytes (or an id that is itself not UTF-8, which no client decodes).
+    if (!buffer->Dump(&slices).ok()) {
+      message->Clear();
+      return InvalidMessage(*message);
+    }
     buffer->Clear();  // the slices now hold the only references
     ReleasingSliceStream stream(std::move(slices));
-    if (!message->ParseFromZeroCopyStream(&stream)) return InvalidMessage(*message);
+    if (!message->ParseFromZeroCopyStream(&stream)) {
+      message->Clear();
+      return InvalidMessage(*message);
+    }
     return absl::OkStatus();
   });
 }

@@ -639,14 +639,23 @@ TEST_F(HostileServerTest, GarbageOnAStreamIsAnsweredAndTheStreamGoesOn) {
   };
   v1::AttendRequest good = ValidRequest();
   good.set_id("good");
-  RawStream stream(client().channel(), {"\x93\x01\xff garbage", good.SerializeAsString()});
+  // Garbage; an id that is not UTF-8 (the answer must not echo it: no
+  // client could decode that answer, and the stream would die with it); a
+  // request cut short after its id.
+  v1::AttendRequest cut = ValidRequest();
+  cut.set_id("cut");
+  std::string cut_bytes = cut.SerializeAsString();
+  cut_bytes.resize(cut_bytes.size() - 10);
+  RawStream stream(client().channel(),
+                   {"\x93\x01\xff garbage", InvalidUtf8Id(), cut_bytes, good.SerializeAsString()});
   const auto [status, answers] = stream.Await();
   EXPECT_TRUE(status.ok()) << status.error_message();
-  ASSERT_EQ(answers.size(), 2u);
+  ASSERT_EQ(answers.size(), 4u);  // each answer parsed (OnReadDone checks)
   for (const v1::AttendResponse& a : answers) {
     if (a.id() == "good") {
       EXPECT_EQ(a.status().code(), 0) << a.status().message();
     } else {
+      EXPECT_EQ(a.id(), "");
       EXPECT_EQ(a.status().code(), grpc::StatusCode::INVALID_ARGUMENT);
       EXPECT_THAT(a.status().message(), HasSubstr(kNotARequest));
     }
