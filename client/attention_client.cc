@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -131,12 +132,17 @@ void PrepareContext(const ClientOptions& options, grpc::ClientContext* context) 
 }
 
 // The replica that answered a call (its "attention-replica" initial
-// metadata), empty if it named none. Only once the initial metadata has
-// arrived: after an answer, or once the call is over.
-std::string ReplicaOf(const grpc::ClientContext& context) {
-  const auto& metadata = context.GetServerInitialMetadata();
-  auto it = metadata.find(kReplicaHeader);
-  return it == metadata.end() ? std::string() : std::string(it->second.data(), it->second.size());
+// metadata, or, once the call is over, trailing metadata: a call it refused
+// before taking it names it there), empty if it named none. Only once the
+// initial metadata has arrived: after an answer, or once the call is over.
+std::string ReplicaOf(const grpc::ClientContext& context, bool call_over = true) {
+  const auto named = [](const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
+    auto it = metadata.find(kReplicaHeader);
+    return it == metadata.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  };
+  std::string replica = named(context.GetServerInitialMetadata());
+  if (replica.empty() && call_over) replica = named(context.GetServerTrailingMetadata());
+  return replica;
 }
 
 // Runs one unary call of `method` on `stub` with the options' deadline and
@@ -315,7 +321,7 @@ absl::StatusOr<v1::AttendResponse> AttendStream::Call(const v1::AttendRequest& r
     return s.End(/*cancel=*/s.succeeded[kRead], std::nullopt,
                  "the server ended the AttendStream without answering");
   }
-  s.replica = ReplicaOf(s.context);
+  s.replica = ReplicaOf(s.context, /*call_over=*/false);
   if (response.status().code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(response.status().code()),
                         response.status().message());

@@ -138,9 +138,15 @@ void AttentionServiceImpl::SetReplica(std::string name) {
   replica_.store(replica_owner_.get());
 }
 
-void AttentionServiceImpl::NameReplica(grpc::CallbackServerContext* context) const {
+void AttentionServiceImpl::NameReplica(grpc::CallbackServerContext* context,
+                                       const absl::Status& admitted) const {
   const std::string* name = replica_.load();
-  if (name != nullptr && !name->empty()) context->AddInitialMetadata(kReplicaHeader, *name);
+  if (name == nullptr || name->empty()) return;
+  if (admitted.ok()) {
+    context->AddInitialMetadata(kReplicaHeader, *name);
+  } else {
+    context->AddTrailingMetadata(kReplicaHeader, *name);
+  }
 }
 
 void AttentionServiceImpl::Record(absl::string_view method, absl::string_view model,
@@ -326,7 +332,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   // point into it.
   auto request = std::make_shared<v1::AttendRequest>();
   const size_t wire_bytes = request_bytes->Length();
-  NameReplica(context);
   absl::Status admitted = Authenticate(*context);
   // The message's bytes are freed as they are parsed: gRPC hands them over
   // (const only by the method's signature) and reads them no more.
@@ -335,6 +340,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   }
   // Parsed first, so that a request on sessions learns they are gone.
   if (admitted.ok() && draining_.load()) admitted = DrainingError(request.get());
+  NameReplica(context, admitted);
   absl::StatusOr<Job> job =
       admitted.ok() ? MakeJob(*context, *request, wire_bytes, &reactor->lease()) : admitted;
   if (!job.ok()) return FinishUnary(reactor, "Attend", request->model(), start, job.status());
@@ -379,9 +385,10 @@ class AttentionServiceImpl::StreamReactor final
     // Registered before the drain check: a drain that starts meanwhile either
     // finds this stream registered or is seen by the check.
     service_->AddStream(this);
-    service_->NameReplica(context);
     absl::MutexLock lock(&mu_);
-    if (absl::Status admitted = service_->Admit(*context); !admitted.ok()) {
+    const absl::Status admitted = service_->Admit(*context);
+    service_->NameReplica(context, admitted);
+    if (!admitted.ok()) {
       finished_ = true;
       Finish(ToGrpcStatus(admitted));
       return;
@@ -584,10 +591,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
     v1::ServerInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  NameReplica(context);
-  if (absl::Status admitted = Admit(*context); !admitted.ok()) {
-    return FinishUnary(reactor, "GetServerInfo", "", start, admitted);
-  }
+  const absl::Status admitted = Admit(*context);
+  NameReplica(context, admitted);
+  if (!admitted.ok()) return FinishUnary(reactor, "GetServerInfo", "", start, admitted);
   const EngineOptions& options = engine_->options();
   response->set_version(ATTENTION_VERSION);
   response->set_engine_backend(engine_->backend_name());
@@ -624,8 +630,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
                                                            v1::ListModelsResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  NameReplica(context);
   absl::Status status = Admit(*context);
+  NameReplica(context, status);
   if (status.ok()) {
     for (const Model* model : models_->models()) *response->add_models() = model->config;
   }
@@ -637,8 +643,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
                                                          v1::GetModelResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  NameReplica(context);
   absl::Status status = Admit(*context);
+  NameReplica(context, status);
   if (status.ok()) {
     absl::StatusOr<const Model*> model = FindModel(request->name());
     if (model.ok()) *response->mutable_config() = (*model)->config;
@@ -785,8 +791,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSessions(
     v1::CloseSessionsResponse* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  NameReplica(context);
   absl::Status status = Admit(*context);
+  NameReplica(context, status);
   if (status.ok()) status = sessions_.CheckEnabled("ids");
   if (!status.ok()) return FinishUnary(reactor, "CloseSessions", "", start, status);
   sessions_.Close({request->ids().begin(), request->ids().end()},
@@ -804,13 +810,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerC
                                                            v1::SessionInfo* response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this);
-  NameReplica(context);
   absl::Status status = Authenticate(*context);
   if (status.ok() && draining_.load()) {
     status = absl::NotFoundError(absl::StrCat("session \"", request->id(),
                                               "\": this replica is shutting down and its "
                                               "sessions end with it"));
   }
+  NameReplica(context, status);
   if (status.ok()) {
     absl::StatusOr<v1::SessionInfo> info = sessions_.Info(request->id());
     if (info.ok()) *response = *std::move(info);

@@ -99,10 +99,10 @@ class AttentionServiceImpl final : public AttentionServiceBase {
 
   const SessionStore& sessions() const { return sessions_; }
 
-  // The name this replica gives itself in the initial metadata of every
-  // answer ("attention-replica", kReplicaHeader), so that callers behind a
-  // proxy see which replica served them. Set once, when the port is known;
-  // answers before that carry none.
+  // The name this replica gives itself in the metadata of every answer
+  // ("attention-replica", kReplicaHeader; NameReplica), so that callers
+  // behind a proxy see which replica served them. Set once, when the port is
+  // known; answers before that carry none.
   void SetReplica(std::string name);
 
   // The first step of a drain: from now on every new call, and every new
@@ -134,8 +134,11 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // The bearer token check alone (Attend checks the drain once it has parsed
   // the request).
   absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
-  // Adds the replica's name to the call's initial metadata.
-  void NameReplica(grpc::CallbackServerContext* context) const;
+  // Adds the replica's name to the call's initial metadata once `admitted`
+  // (the call is taken), else to its trailing metadata: a refused call then
+  // sends no header before its status (a Trailers-Only answer), which a
+  // client's retry policy may retry; gRPC retries no call once headers came.
+  void NameReplica(grpc::CallbackServerContext* context, const absl::Status& admitted) const;
   // Finishes a unary call with `status` and records it.
   grpc::ServerUnaryReactor* FinishUnary(grpc::ServerUnaryReactor* reactor, absl::string_view method,
                                         absl::string_view model, absl::Time start,

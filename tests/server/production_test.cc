@@ -417,6 +417,64 @@ TEST(DrainTest, AStreamAnswersWhatItTookThenEnds) {
   stopper.join();
 }
 
+// A draining replica refuses new calls UNAVAILABLE before it sends any
+// header (a Trailers-Only answer), so that a client's retry policy may send
+// them again: gRPC retries no call once headers have arrived. With a second
+// replica, every call of a retrying client succeeds while the first drains.
+TEST(DrainTest, RefusalsWhileDrainingAreRetriedOnAnotherReplica) {
+  ServerOptions draining_options;
+  draining_options.drain_seconds = 30;
+  draining_options.replica_name = "draining";
+  auto draining = TestServer::Start(draining_options);
+  ASSERT_THAT(draining, IsOk());
+  ServerOptions other_options;
+  other_options.replica_name = "other";
+  auto other = TestServer::Start(other_options);
+  ASSERT_THAT(other, IsOk());
+  client::ClientOptions both;
+  both.target =
+      absl::StrCat("ipv4:", (*draining)->server().address(), ",", (*other)->server().address());
+  both.own_connection = true;
+  both.timeout = absl::Seconds(20);
+  auto retrying = client::AttentionClient::Create(both);
+  ASSERT_THAT(retrying, IsOk());
+  for (int i = 0; i < 4; ++i) ASSERT_THAT((*retrying)->Attend(Small()), IsOk());  // both connected
+
+  v1::AttendRequest big;  // holds the drain open
+  *big.mutable_query() = Ramp({4, 8, 1024, 64});
+  absl::StatusOr<v1::AttendResponse> in_flight;
+  std::thread caller([&] { in_flight = (*draining)->client().Attend(big); });
+  ASSERT_TRUE(WaitForOneInFlight((*draining)->server().metrics()));
+  std::thread stopper([&] { (*draining)->server().Shutdown(); });
+  auto checker = DrainChecker(**draining);
+  ASSERT_THAT(checker, IsOk());
+  EXPECT_THAT(WaitForNotServing(**checker), IsOkAndHolds("NOT_SERVING"));
+  // The refusal names its replica still, in its trailers.
+  std::string refused_by;
+  ASSERT_THAT((*checker)->Attend(Small(), {.replica = &refused_by}),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
+  EXPECT_EQ(refused_by, "draining");
+  // Round robin picks the draining replica for every other attempt; a
+  // refused call goes to the other. (Few calls: the retry throttle stops
+  // retrying after some 5 failures in a row.)
+  std::map<std::string, int> replicas;
+  for (int i = 0; i < 4; ++i) {
+    std::string replica;
+    client::CallOptions call;
+    call.replica = &replica;
+    EXPECT_THAT((*retrying)->Attend(Small(), call), IsOk()) << i;
+    ++replicas[replica];
+  }
+  EXPECT_EQ(replicas["other"], 4);
+  const std::map<std::string, double> m =
+      ParseMetrics((*draining)->server().metrics().RenderPrometheus());
+  EXPECT_GE(m.at(R"(attention_requests_total{method="Attend",model="",code="UNAVAILABLE"})"), 2)
+      << "the draining replica was not picked: nothing was retried";
+  caller.join();
+  stopper.join();
+  EXPECT_THAT(in_flight, IsOk());
+}
+
 // GET path on 127.0.0.1:port: {status, body}, or {0, error} when nothing answered.
 std::pair<int, std::string> HttpGet(int port, const std::string& path) {
   httplib::Client http("127.0.0.1", port);
