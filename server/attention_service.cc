@@ -417,6 +417,7 @@ class AttentionServiceImpl::StreamReactor final
         return;
       }
       if (finished_) return;  // a read that completed as a drain finished the stream
+      taking_ = true;
       ++in_flight_;
       service_->CallOpened();
       bytes.Swap(&next_);
@@ -450,6 +451,10 @@ class AttentionServiceImpl::StreamReactor final
         } else {
           answer = result.status();
         }
+        // The next request on these sessions, perhaps on this stream, starts
+        // once this answer is queued (as `defer` ends, after `lock`), so that
+        // the stream answers them in their sessions' order.
+        const SessionStore::DeferStarts defer;
         service_->FinishSessions(session, answer.ok());
         DropTensors(*request);
         service_->Record("AttendStream", request->model(), answer.status(), start, &timing);
@@ -465,6 +470,7 @@ class AttentionServiceImpl::StreamReactor final
       service_->Record("AttendStream", request->model(), refused, start, nullptr);
       AnswerLocked(*request, refused, {});
     }
+    taking_ = false;
     if (!reading_ && !reads_done_ && !cancelled_ && !finished_ && in_flight_ < kMaxStreamInFlight) {
       ReadNextLocked();
     }
@@ -480,7 +486,8 @@ class AttentionServiceImpl::StreamReactor final
     if (!ok) cancelled_ = true;
     if (cancelled_) DropWritesLocked();
     WriteNextLocked();
-    if (!reading_ && !reads_done_ && !cancelled_ && !finished_ && in_flight_ < kMaxStreamInFlight) {
+    if (!reading_ && !taking_ && !reads_done_ && !cancelled_ && !finished_ &&
+        in_flight_ < kMaxStreamInFlight) {
       ReadNextLocked();
     }
     MaybeFinishLocked();
@@ -570,6 +577,10 @@ class AttentionServiceImpl::StreamReactor final
   std::deque<Write> writes_ ABSL_GUARDED_BY(mu_);  // front is being written
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;         // read, not yet written (or dropped)
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  // A request read is being parsed and submitted (OnReadDone): the next is
+  // read only after it, so that requests are taken in the order written and
+  // a session's steps sent back to back apply in that order.
+  bool taking_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;

@@ -181,11 +181,28 @@ std::vector<SessionStore::Start> SessionStore::ReleaseLocked(
   return ready;
 }
 
+namespace {
+
+// The waiters this thread has freed and not started yet, while it starts
+// them one after another (RunReady) or holds them back (DeferStarts); null
+// otherwise.
+thread_local std::deque<SessionStore::Start>* running = nullptr;
+
+// Starts the waiters of `queue`, this thread's `running`, and those they free.
+void StartAll(std::deque<SessionStore::Start>& queue) {
+  while (!queue.empty()) {
+    SessionStore::Start start = std::move(queue.front());
+    queue.pop_front();
+    start(true);
+  }
+}
+
+}  // namespace
+
 void SessionStore::RunReady(std::vector<Start> ready) {
   // A started request that fails at once ends, and starts the next waiter,
   // inside its own start: run them one after another from the outermost
   // call instead, so that a long line of waiters cannot nest that deep.
-  thread_local std::deque<Start>* running = nullptr;
   if (running != nullptr) {
     for (Start& start : ready) running->push_back(std::move(start));
     return;
@@ -193,11 +210,17 @@ void SessionStore::RunReady(std::vector<Start> ready) {
   std::deque<Start> queue(std::make_move_iterator(ready.begin()),
                           std::make_move_iterator(ready.end()));
   running = &queue;
-  while (!queue.empty()) {
-    Start start = std::move(queue.front());
-    queue.pop_front();
-    start(true);
-  }
+  StartAll(queue);
+  running = nullptr;
+}
+
+SessionStore::DeferStarts::DeferStarts() {
+  if (running == nullptr) running = &held_;
+}
+
+SessionStore::DeferStarts::~DeferStarts() {
+  if (running != &held_) return;  // within an outer one, which starts them
+  StartAll(held_);
   running = nullptr;
 }
 

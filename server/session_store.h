@@ -102,6 +102,20 @@ class SessionStore {
   // Close frees the last of them (start(true)). Never blocks.
   using Start = std::function<void(bool waited)>;
   void Acquire(const std::vector<std::string>& ids, Start start);
+  // While one lives, the waiters that Finish, Release and Close free on this
+  // thread are held back; its end starts them, on this thread. A stream
+  // queues a request's answer before the next request on its sessions can
+  // answer, so that answers keep their sessions' order.
+  class DeferStarts {
+   public:
+    DeferStarts();
+    DeferStarts(const DeferStarts&) = delete;
+    DeferStarts& operator=(const DeferStarts&) = delete;
+    ~DeferStarts();
+
+   private:
+    std::deque<Start> held_;
+  };
   // Lets go of ids acquired but never begun (or whose Begin failed).
   void Release(const std::vector<std::string>& ids);
 

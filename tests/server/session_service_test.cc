@@ -532,6 +532,48 @@ TEST_F(SessionServiceTest, StreamsCarrySessions) {
   Close({"streamed"});
 }
 
+// Steps of one session sent back to back on a stream are answered in their
+// order: a large step's answer comes before the small step that waited for
+// it, which computes much faster (its answer used to overtake the large
+// one's, so positions went backwards in the order they arrived).
+TEST_F(SessionServiceTest, AStreamAnswersASessionsStepsInTheirOrder) {
+  // Rows of 8 heads of 64 for session `id` at `position`.
+  const auto step = [](const std::string& id, int64_t position, int64_t rows, bool create,
+                       const std::string& name) {
+    v1::AttendRequest r;
+    r.set_id(name);
+    *r.mutable_query() = Floats({1, 8, rows, 64}, RandomValues(8 * rows * 64, position + 80));
+    if (rows > 1 && !create) r.mutable_mask()->set_causal(v1::Mask::BOTTOM_RIGHT);
+    r.mutable_session()->add_ids(id);
+    r.mutable_session()->add_positions(position);
+    r.mutable_session()->set_create(create);
+    return r;
+  };
+  for (int round = 0; round < 5; ++round) {
+    SCOPED_TRACE(round);
+    const std::string id = absl::StrCat("ordered", round);
+    grpc::ClientContext context;
+    auto stream = Stub()->AttendStream(&context);
+    ASSERT_TRUE(stream->Write(step(id, 0, 16, true, "create")));
+    ASSERT_TRUE(stream->Write(step(id, 16, 1024, false, "large")));
+    ASSERT_TRUE(stream->Write(step(id, 1040, 1, false, "small0")));
+    ASSERT_TRUE(stream->Write(step(id, 1041, 1, false, "small1")));
+    stream->WritesDone();
+    std::vector<std::string> ids;
+    std::vector<int64_t> positions;
+    v1::AttendResponse answer;
+    while (stream->Read(&answer)) {
+      EXPECT_EQ(answer.status().code(), 0) << answer.id() << ": " << answer.status().message();
+      ids.push_back(answer.id());
+      positions.push_back(answer.session_positions_size() > 0 ? answer.session_positions(0) : -1);
+    }
+    EXPECT_TRUE(stream->Finish().ok());
+    EXPECT_THAT(ids, ElementsAre("create", "large", "small0", "small1"));
+    EXPECT_THAT(positions, ElementsAre(16, 1040, 1041, 1042));
+    Close({id});
+  }
+}
+
 // A small cap: idle sessions are evicted, least recently used first; a
 // request needing more than the cap is refused with the numbers; idle ones
 // expire; closing gives the bytes back.
