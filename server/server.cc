@@ -23,6 +23,7 @@
 #include "attention/v1/service.grpc.pb.h"
 #include "common/status_macros.h"
 #include "grpc/grpc.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
@@ -255,8 +256,15 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
         static_cast<int>(std::min(options.drain_seconds, kMaxSeconds) * 1000));
   }
   builder.RegisterService(impl->service.get());
+  // The health service is gRPC's own; reflection describes it from the
+  // project's copy of health.proto, which only naming its descriptor links
+  // into the binary.
+  const std::string health_service = grpc::health::v1::HealthCheckRequest::descriptor()
+                                         ->file()
+                                         ->FindServiceByName("Health")
+                                         ->full_name();
   impl->reflection = std::make_unique<server::ReflectionService>(
-      std::vector<std::string>{v1::AttentionService::service_full_name(), "grpc.health.v1.Health",
+      std::vector<std::string>{v1::AttentionService::service_full_name(), health_service,
                                grpc::reflection::v1alpha::ServerReflection::service_full_name()},
       impl->auth.get());
   builder.RegisterService(impl->reflection.get());

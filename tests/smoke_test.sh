@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end check of the two binaries: starts attention_server on 127.0.0.1:0,
 # drives it with attention_cli (health, info, models, the built-in demo model, a
-# hand-checked call and the golden case sdpa_basic), then stops it with SIGTERM and expects exit code 0.
+# hand-checked call and the golden case sdpa_basic) and checks its reflection
+# (tests/reflection_check.py), then stops it with SIGTERM and expects exit code 0.
 #
 # Usage: smoke_test.sh SERVER_BIN CLI_BIN GOLDEN_DIR
 set -euo pipefail
@@ -54,6 +55,11 @@ grep -q '"version"' "$tmp/info.json" || fail "info has no version: $(cat "$tmp/i
 grep -q '"name": "demo"' "$tmp/models.json" ||
   fail "the built-in demo model is not served by default: $(cat "$tmp/models.json")"
 echo "info and models (demo served by default): ok"
+
+# --- reflection describes every service it lists (what grpcurl needs) -------------
+/usr/bin/python3 "$(dirname "${BASH_SOURCE[0]}")/reflection_check.py" "127.0.0.1:$SERVER_PORT" \
+  >"$tmp/reflection.out" 2>&1 || fail "reflection: $(cat "$tmp/reflection.out")"
+tail -n 1 "$tmp/reflection.out"
 
 # --- the built-in demo model ------------------------------------------------------
 repo_root="$(dirname "${BASH_SOURCE[0]}")/.."
