@@ -35,8 +35,14 @@ def _write_safetensors(path, state_dict):
 
 
 def export(layer, folder, name=None):
-    """Writes `layer` (a torch.nn.MultiheadAttention) to `folder`."""
-    name = name or os.path.basename(os.path.normpath(folder))
+    """Writes `layer` (a torch.nn.MultiheadAttention) to `folder`. The model is named
+    after the folder, as the server requires: another `name` is a ValueError, and
+    nothing is written."""
+    basename = os.path.basename(os.path.normpath(folder))
+    if name and name != basename:
+        raise ValueError('export: name "%s" does not match its folder "%s" (%s): the server '
+                         "refuses a model not named after its folder" % (name, basename, folder))
+    name = basename
     os.makedirs(folder, exist_ok=True)
     has_bias = layer.in_proj_bias is not None
     lines = [

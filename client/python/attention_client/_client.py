@@ -249,20 +249,20 @@ class Session(_session.SessionBase):
     def _failure(self, step, error, timeout, applied=False):
         """What the step that raised `error` fails with: `error`, unless its
         create was refused ALREADY_EXISTS, then after asking the server
-        (GetSession) as _session.SessionCore.create_refused says (applied:
-        the create was the recreation of the retry of a step found applied)."""
+        (GetSession, once no request holds the session) as
+        _session.SessionCore.create_refused says (applied: the create was
+        the recreation of the retry of a step found applied)."""
         if not _session.refused_create(error):
             return error
         try:
-            info = self._client.get_session(self._core.id, timeout=timeout,
-                                            affinity=self._core.affinity)
+            info = self._session_info(timeout)
         except AttentionError:
             info = None
         return self._core.create_refused(step, error, info, applied)
 
-    def _resync(self, timeout):
-        """Where the server has the session, once no request holds it (or the
-        timeout has passed)."""
+    def _session_info(self, timeout):
+        """GetSession's SessionInfo once no request holds the session (or the
+        timeout has passed); None when the server has no such session."""
         core = self._core
         wait = self._client._settings.call_timeout(timeout)
         deadline = None if wait is None else time.monotonic() + wait
@@ -272,24 +272,33 @@ class Session(_session.SessionBase):
             except AttentionError as e:
                 if not _session.not_found(e, core.id):
                     raise
-                info = None
-            if (info is None or info.idle_ms != 0 or
-                    (deadline is not None and time.monotonic() >= deadline)):
-                break
+                return None
+            if info.idle_ms != 0 or (deadline is not None and time.monotonic() >= deadline):
+                return info
             time.sleep(_session.RESYNC_POLL_S)
-        if core.resync(info):  # a stale copy: closed, so that the step recreates the session
+
+    def _resync(self, timeout):
+        """Where the server has the session, once no request holds it (or the
+        timeout has passed)."""
+        core = self._core
+        if core.resync(self._session_info(timeout)):
+            # A stale copy: closed, so that the step recreates the session.
             self._client.close_sessions([core.id], timeout=timeout, affinity=core.affinity)
             core.unsure_settled()
 
     def close(self, *, timeout=...):
         """Closes the session on the server (OK if it no longer had it); later
-        steps fail FAILED_PRECONDITION."""
-        if self._core.closed:
+        steps fail FAILED_PRECONDITION. After a first step whose outcome is
+        unknown, only if the server names that step (resync): never another
+        client's session of the same id."""
+        core = self._core
+        if core.closed:
             return
-        if self._core.created or self._core.unsure:  # an unsure first step may have created it
-            self._client.close_sessions([self.id], timeout=timeout,
-                                        affinity=self._core.affinity)
-        self._core.closed = True
+        if not core.created and core.unsure:
+            self._resync(timeout)
+        if core.created:
+            self._client.close_sessions([self.id], timeout=timeout, affinity=core.affinity)
+        core.closed = True
 
     def __enter__(self):
         return self

@@ -18,7 +18,9 @@ since is recreated from the kept rows, the step's among them). A server holding 
 than the answered steps put there holds a stale copy: with keep_rows it is
 closed and the step recreates the session, else the step is
 FAILED_PRECONDITION. With keep_rows a count that no such step explains is
-FAILED_PRECONDITION rather than kept rows that no longer match the server's."""
+FAILED_PRECONDITION rather than kept rows that no longer match the server's.
+A session this client never created is another's unless it names one of
+this client's steps: never adopted, and never closed by close()."""
 import uuid
 
 import grpc
@@ -289,11 +291,14 @@ class SessionCore:
         (refused_create), which only a create (the first step's, or a
         recreation's) gets. gRPC sends a step again when its connection
         fails (so does a stream session), and a create whose first attempt
-        was applied is refused so: unless the session is another's, the step
-        fails ABORTED instead, an outcome unknown that the next step settles.
-        `info`: the server's SessionInfo, asked after the refusal (None: it
-        has no such session, or could not say). applied: `step` is the retry
-        of the step resync found applied, whose rows the position counts."""
+        was applied is refused so: if the session names this step as the
+        last that appended, the step fails ABORTED instead, an outcome
+        unknown that the next step settles; if it names another, the id is
+        another's and the step fails ALREADY_EXISTS, every time. `info`:
+        the server's SessionInfo, asked after the refusal once no request
+        held the session (or the step's timeout passed); None: it has no
+        such session, or could not say. applied: `step` is the retry of the
+        step resync found applied, whose rows the position counts."""
         if applied:
             rows = self.position
         else:
@@ -309,20 +314,29 @@ class SessionCore:
                 grpc.StatusCode.ABORTED,
                 f"{error.details()}; it holds this step's {rows} rows: an earlier attempt of the "
                 "step, whose answer was lost, created it; send the step again for its answer")
-        # A request holds it (this step's first attempt, maybe), or it is gone
-        # again (that attempt failed after all): settled by the next step.
+        if info is not None:
+            # Held past the step's timeout, by this step's first attempt or by
+            # another's request: not known yet, asked again by the next step.
+            return AttentionError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{error.details()}; a request still holds it, so whether it is this step's own "
+                "(an earlier attempt of the step may have created it) is not known yet; send "
+                "the step again")
+        # Gone again (that attempt failed after all), or the server could not
+        # say: settled by the next step, which adopts no session that does not
+        # name one of this client's steps (resync).
         return AttentionError(
             grpc.StatusCode.ABORTED,
             f"{error.details()}; it may be this step's own (an earlier attempt of the step, "
             "whose answer was lost, may have created it): send the step again")
 
     def resync(self, info):
-        """Before a step after one whose outcome is unknown: `info` is the
-        server's SessionInfo, or None when it has no such session. True when
-        the server holds a stale copy that the caller must close
-        (close_sessions([id]) with the session's affinity, then
-        unsure_settled())
-        for the step to recreate the session from the kept rows."""
+        """Before a step after one whose outcome is unknown (or close() after
+        a first step so): `info` is the server's SessionInfo, or None when it
+        has no such session. True when the server holds a stale copy that the
+        caller must close (close_sessions([id]) with the session's affinity,
+        then unsure_settled()) for the step to recreate the session from the
+        kept rows."""
         if info is None:
             # Never created, or lost (the step is then NOT_FOUND, recreated
             # from the kept rows): nothing of the unsure steps is held.
@@ -363,6 +377,12 @@ class SessionCore:
             self.advance(applied[0], self.position, None)
             self.succeeded()
             self.applied = applied[0]
+            return False
+        if not self.created:
+            # No first step of this client's made it: the session is
+            # another's, never taken over (the step's create is refused
+            # ALREADY_EXISTS), nor closed by close().
+            self.unsure_settled()
             return False
         if self.keys is None:
             # Nothing kept to match: go on at the server's position.

@@ -326,14 +326,13 @@ class Session(_session.SessionBase):
         if not _session.refused_create(error):
             return error
         try:
-            info = await self._client.get_session(self._core.id, timeout=timeout,
-                                                  affinity=self._core.affinity)
+            info = await self._session_info(timeout)
         except AttentionError:
             info = None
         return self._core.create_refused(step, error, info, applied)
 
-    async def _resync(self, timeout):
-        """As attention_client.Session._resync."""
+    async def _session_info(self, timeout):
+        """As attention_client.Session._session_info."""
         core = self._core
         loop = asyncio.get_running_loop()
         wait = self._client._settings.call_timeout(timeout)
@@ -345,24 +344,31 @@ class Session(_session.SessionBase):
             except AttentionError as e:
                 if not _session.not_found(e, core.id):
                     raise
-                info = None
-            if info is None or info.idle_ms != 0 or (deadline is not None and
-                                                      loop.time() >= deadline):
-                break
+                return None
+            if info.idle_ms != 0 or (deadline is not None and loop.time() >= deadline):
+                return info
             await asyncio.sleep(_session.RESYNC_POLL_S)
-        if core.resync(info):  # a stale copy: closed, so that the step recreates the session
+
+    async def _resync(self, timeout):
+        """As attention_client.Session._resync."""
+        core = self._core
+        if core.resync(await self._session_info(timeout)):
+            # A stale copy: closed, so that the step recreates the session.
             await self._client.close_sessions([core.id], timeout=timeout, affinity=core.affinity)
             core.unsure_settled()
 
     async def close(self, *, timeout=...):
-        if self._core.closed:
+        """As attention_client.Session.close."""
+        core = self._core
+        if core.closed:
             return
         if self._stream is not None:
             await self._stream.close(self._client._settings.call_timeout(timeout))
-        if self._core.created or self._core.unsure:  # an unsure first step may have created it
-            await self._client.close_sessions([self.id], timeout=timeout,
-                                              affinity=self._core.affinity)
-        self._core.closed = True
+        if not core.created and core.unsure:
+            await self._resync(timeout)
+        if core.created:
+            await self._client.close_sessions([self.id], timeout=timeout, affinity=core.affinity)
+        core.closed = True
 
     async def __aenter__(self):
         return self

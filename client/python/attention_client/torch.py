@@ -109,9 +109,29 @@ class RemoteMultiheadAttention(torch.nn.Module):
         with batch_first) or unbatched ([L, E]) inputs. attn_mask is [L, S] or
         [B * num_heads, L, S]; masks are bool (True = masked out) or float
         (added to the scores); is_causal masks key j > query i (top left) on top
-        of any attn_mask."""
+        of any attn_mask. Empty inputs (L, S or B of 0) get torch's answer
+        (_empty)."""
+        _check_ranks(query, key, value, key_padding_mask)
+        key_padding_mask, attn_mask = _mask(key_padding_mask), _mask(attn_mask)
         batched = query.dim() == 3
         batch_dim = 0 if self.batch_first else 1
+        seq_dim = 1 - batch_dim if batched else 0
+        no_keys = False
+        if 0 in query.shape or 0 in key.shape or 0 in value.shape:
+            output, weights = self._empty(query, key, value, key_padding_mask, need_weights,
+                                          attn_mask, average_attn_weights)
+            if output.numel() == 0:  # no query or batch row: nothing to compute
+                return output, weights
+            # No key (S of 0): torch's answer is out_proj's bias, or its answer
+            # over bias_k and the zero key, whose weights the server has. One
+            # zero key row, masked out, stands for none; its column of the
+            # weights is dropped. With no key there is nothing causal to mask.
+            no_keys = True
+            key = key.new_zeros(key.shape[:seq_dim] + (1,) + key.shape[seq_dim + 1:])
+            value = value.new_zeros(value.shape[:seq_dim] + (1,) + value.shape[seq_dim + 1:])
+            key_padding_mask = torch.ones((query.shape[batch_dim], 1) if batched else (1,),
+                                          dtype=torch.bool)
+            attn_mask, is_causal = None, False
         if not batched:
             same_key, same_value = key is query, value is key
             query = query.unsqueeze(batch_dim)
@@ -126,8 +146,9 @@ class RemoteMultiheadAttention(torch.nn.Module):
             "layout": "batch_first" if self.batch_first else "sequence_first",
             "need_weights": bool(need_weights),
             "average_weights": bool(average_attn_weights),
-            "key_padding_mask": _mask(key_padding_mask),
-            "attn_mask": _attn_mask(attn_mask, batch, self.num_heads),
+            "key_padding_mask": key_padding_mask,
+            "attn_mask": _attn_mask(attn_mask, batch, self.num_heads,
+                                    query.shape[1 - batch_dim], key.shape[1 - batch_dim]),
         }
         if is_causal:
             fields["causal"] = "top_left"
@@ -139,12 +160,67 @@ class RemoteMultiheadAttention(torch.nn.Module):
             answer = self.client.attend(query, key, value, **fields)
         output, weights = answer.output.to(query.dtype), answer.weights
         if weights is not None:
+            weights = weights[..., 1:].contiguous() if no_keys else weights
             weights = weights.to(query.dtype)
         if not batched:
             output = output.squeeze(batch_dim)
             if weights is not None:
                 weights = weights.squeeze(0)
         return output, weights
+
+    def _empty(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+               average_attn_weights):
+        """torch's forward over inputs with a dim of 0, made on the meta device
+        with parameters of the layer's shapes: its checks (INVALID_ARGUMENT)
+        and its answer's shapes, computing nothing. Returns zeros of those
+        shapes in the query's dtype and on its device: torch's answer when L
+        or B is 0 (with only S of 0 it needs the layer's weights: forward asks
+        the server)."""
+        dtype = query.dtype
+
+        def meta(t, mask_dtype=None):
+            if t is None:
+                return None
+            return t.to("meta", mask_dtype or (dtype if t.is_floating_point() else t.dtype))
+
+        def zeros(*shape):
+            return torch.zeros(shape, dtype=dtype, device="meta")
+
+        e = self.embed_dim
+        # Float key_padding_masks, which torch refuses, are the wire's too:
+        # their shape is checked as a bool one's.
+        q, k, v = meta(query), meta(key), meta(value)
+        if self.batch_first and query.dim() == 3:
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        bias_kv = zeros(1, 1, e) if self.config.add_bias_kv else None
+        try:
+            output, weights = torch.nn.functional.multi_head_attention_forward(
+                q, k, v, e, self.num_heads, zeros(3 * e, e), zeros(3 * e), bias_kv, bias_kv,
+                self.config.add_zero_attn, 0.0, zeros(e, e), zeros(e), training=False,
+                key_padding_mask=meta(key_padding_mask, torch.bool), need_weights=need_weights,
+                attn_mask=meta(attn_mask), use_separate_proj_weight=True,
+                q_proj_weight=zeros(e, e), k_proj_weight=zeros(e, self.kdim),
+                v_proj_weight=zeros(e, self.vdim), average_attn_weights=average_attn_weights)
+        except (AssertionError, RuntimeError) as error:
+            raise invalid(f"RemoteMultiheadAttention: {error}") from None
+        if self.batch_first and query.dim() == 3:
+            output = output.transpose(0, 1)
+        return tuple(None if t is None else torch.zeros(t.shape, dtype=dtype, device=query.device)
+                     for t in (output, weights))
+
+
+def _check_ranks(query, key, value, key_padding_mask):
+    """torch.nn.MultiheadAttention's ranks: a 3-D (batched) or 2-D (unbatched)
+    query, key and value of its rank, key_padding_mask one less."""
+    if query.dim() not in (2, 3):
+        raise invalid(f"query: shape {list(query.shape)} is {query.dim()}-D; want 3-D "
+                      "(batched) or 2-D (unbatched)")
+    kind = "batched" if query.dim() == 3 else "unbatched"
+    for name, t, rank in (("key", key, query.dim()), ("value", value, query.dim()),
+                          ("key_padding_mask", key_padding_mask, query.dim() - 1)):
+        if t is not None and t.dim() != rank:
+            raise invalid(f"{name}: shape {list(t.shape)} is {t.dim()}-D; want {rank}-D with "
+                          f"the {kind} query {list(query.shape)}")
 
 
 def _mask(mask):
@@ -156,15 +232,14 @@ def _mask(mask):
     return mask
 
 
-def _attn_mask(mask, batch, num_heads):
+def _attn_mask(mask, batch, num_heads, queries, keys):
     """torch's 3-D attn_mask [B * H, L, S] is the wire's [B, H, L, S]."""
-    mask = _mask(mask)
     if mask is not None and mask.dim() == 3:
-        if mask.shape[0] != batch * num_heads:
+        if tuple(mask.shape) != (batch * num_heads, queries, keys):
             raise invalid(f"attn_mask: 3-D shape {list(mask.shape)} is not [batch * num_heads, "
                           f"L, S] with batch * num_heads = {batch} * {num_heads} = "
-                          f"{batch * num_heads}")
-        mask = mask.reshape(batch, num_heads, mask.shape[1], mask.shape[2])
+                          f"{batch * num_heads}, L = {queries} and S = {keys}")
+        mask = mask.reshape(batch, num_heads, queries, keys)
     return mask
 
 
@@ -176,11 +251,16 @@ def export_model(layer, folder, name=None):
     the server loads (docs/models.md): config.pbtxt (its constructor's
     arguments as an attention.v1.ModelConfig) and weights.safetensors (its
     state_dict under torch's names, in its dtype: float32, bfloat16 or float16;
-    others as float32). The model is named after the folder unless `name` is
-    given. Returns the ModelConfig written."""
+    others as float32). The model is named after the folder, as the server
+    requires: a `name` that is not the folder's is INVALID_ARGUMENT, and
+    nothing is written. Returns the ModelConfig written."""
     if not isinstance(layer, torch.nn.MultiheadAttention):
         raise invalid(f"export_model: {type(layer).__name__} is not a torch.nn.MultiheadAttention")
-    name = name or os.path.basename(os.path.normpath(folder))
+    basename = os.path.basename(os.path.normpath(folder))
+    if name and name != basename:
+        raise invalid(f'export_model: name "{name}" does not match its folder "{basename}" '
+                      f"({folder}): the server refuses a model not named after its folder")
+    name = basename
     config = model_pb2.ModelConfig(
         name=name, embed_dim=layer.embed_dim, num_heads=layer.num_heads, kdim=layer.kdim,
         vdim=layer.vdim, bias=layer.in_proj_bias is not None,

@@ -158,6 +158,42 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(list((await self.client.close_sessions(["café 1%"])).not_found),
                          ["café 1%"])
 
+    async def test_a_session_another_client_opened_is_never_taken_over(self):
+        # As client_test's: B's first step of A's session's id fails with its
+        # outcome unknown (here before it is sent); B's close() leaves A's
+        # session open, and B's steps are ALREADY_EXISTS, appending nothing.
+        rows = randn(65, 1, 2, 4, 8)
+        a = self.client.session("aio-shared", causal="bottom_right")
+        await a.step(rows[:, :, :2])
+        last = (await self.client.get_session("aio-shared")).last_step_id
+        async with aio.Client(server.target, timeout=60) as c:
+            real, sent = c._attend, []
+
+            async def attend(request, **kw):
+                sent.append(request)
+                if len(sent) <= 2:
+                    raise attention_client.AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                          "never sent")
+                return await real(request, **kw)
+            c._attend = attend
+            for closes in (True, False):
+                b = c.session("aio-shared", causal="bottom_right")
+                with self.assertRaises(attention_client.AttentionError) as e:
+                    await b.step(rows[:, :, 2:3])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+                if closes:
+                    await b.close()
+                    continue
+                for _ in range(2):
+                    with self.assertRaises(attention_client.AttentionError) as e:
+                        await b.step(rows[:, :, 2:3])
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+                await b.close()
+        info = await self.client.get_session("aio-shared")
+        self.assertEqual((info.position, info.last_step_id), (2, last))
+        self.assertEqual((await a.step(rows[:, :, 2:3])).session_positions, [3])
+        await a.close()
+
     async def test_calls_after_close_are_failed_precondition(self):
         closed = aio.Client(server.target)
         sessions = [closed.session(num_heads=1), closed.session(num_heads=1, stream=True)]
@@ -198,8 +234,9 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
     rows as the server does: a message at another position is answered
     ABORTED, an applied one appends its rows, a read_only one appends
     nothing (its answer: the query, and the position); GetSession reports
-    the position (idle_ms 0 while a "late" message holds the session),
-    CloseSessions closes those it holds, and unary Attend is "answer",
+    the position and the step_id of the last message that appended
+    (idle_ms 0 while a "late" message holds the session, setting
+    `asked_busy`), CloseSessions closes those it holds, and unary Attend is "answer",
     "late", "deadline", "applied deadline", "applied unavailable" (an answer
     lost with the connection: gRPC sends the call again) or "no model" by
     `behave(0, n)`. With refuse_open_creates, a create of a session it holds
@@ -212,7 +249,9 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
         self.behave = lambda stream, message: "answer"
         self.held = {}  # session id -> position
         self.rows = {}  # session id -> its key rows, [1, position, E]
+        self.last_step = {}  # session id -> the step_id of the last message that appended
         self.busy = set()
+        self.asked_busy = asyncio.Event()
         self.get_session_refusal = None  # GetSession's NOT_FOUND message, when set
         self.refuse_open_creates = False
         self.late_applied = asyncio.Event()
@@ -249,6 +288,7 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                     output=request.query, session_positions=[position]).SerializeToString()
             rows = request.key if request.HasField("key") else request.query
             self.held[sid] = position + rows.shape[1]
+            self.last_step[sid] = request.session.step_id
             rows = np.frombuffer(rows.data, np.float32).reshape(rows.shape)
             self.rows[sid] = rows if request.session.create else np.concatenate(
                 [self.rows[sid], rows], axis=1)
@@ -303,8 +343,11 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 await context.abort(grpc.StatusCode.NOT_FOUND, self.get_session_refusal)
             if sid not in self.held:
                 await context.abort(grpc.StatusCode.NOT_FOUND, not_open(sid))
-            return service_pb2.SessionInfo(id=sid, position=self.held[sid], idle_ms=0 if sid in
-                                           self.busy else 1).SerializeToString()
+            if sid in self.busy:
+                self.asked_busy.set()
+            return service_pb2.SessionInfo(
+                id=sid, position=self.held[sid], idle_ms=0 if sid in self.busy else 1,
+                last_step_id=self.last_step.get(sid, "")).SerializeToString()
 
         async def close_sessions(raw, context):
             ids = list(service_pb2.CloseSessionsRequest.FromString(raw).ids)
@@ -780,6 +823,52 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
                 answer = await session.step(rows[:, 2:3])
                 self.assertEqual((answer.session_positions, session.position), ([3], 3))
                 np.testing.assert_array_equal(self.rows[sid], rows)
+
+    async def test_a_create_of_an_id_another_client_holds_is_already_exists_every_time(self):
+        # Client A's step holds its session when B's first step, of the same
+        # id, is refused ALREADY_EXISTS. B cannot tell yet whether the
+        # session is its own create's (sent again), so it waits until no
+        # request holds it: the session names A's step as its last, so B's
+        # step is ALREADY_EXISTS, every time, appending nothing, and B's
+        # close() leaves A's session open. (B used to fail ABORTED, "maybe
+        # its own", then take the session over at A's position and close it.)
+        self.refuse_open_creates = True
+        with attention_client.Client(self.target, timeout=10) as blocking:
+            for kind in self.KINDS:
+                with self.subTest(kind):
+                    self.unary, self.streams, self.closed = [], [], []
+                    b, b_step = self.open_session(blocking, *kind, "taken")
+                    a = self.client.session(b.id, num_heads=1)
+                    self.behave = lambda st, message: "late" if (st, message) == (0, 2) else (
+                        "answer")
+                    rows, other = randn(77, 1, 4, 4), randn(78, 1, 2, 4)
+                    await a.step(rows[:, :2])
+                    self.late_applied.clear()
+                    holding = asyncio.ensure_future(a.step(rows[:, 2:3]))
+                    await asyncio.wait_for(self.late_applied.wait(), 30)
+                    self.asked_busy.clear()
+                    refused = asyncio.ensure_future(b_step(other))
+                    await asyncio.wait_for(self.asked_busy.wait(), 30)  # B asked while held
+                    holding.cancel()
+                    with self.assertRaises(asyncio.CancelledError):
+                        await holding
+                    for attempt in range(2):
+                        with self.assertRaises(attention_client.AttentionError) as e:
+                            await (refused if attempt == 0 else b_step(other))
+                        self.assertEqual(e.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+                        self.assertIn(f'session "{b.id}" is already open (position 3)',
+                                      e.exception.details())
+                    self.assertEqual((b.position, b.open), (0, False))
+                    if kind[0] == "aio":
+                        await b.close()
+                    else:
+                        await asyncio.to_thread(b.close)
+                    self.assertEqual(self.closed, [])
+                    # A's session is A's: its cancelled step found applied, then on.
+                    self.assertEqual((await a.step(rows[:, 2:3])).session_positions, [3])
+                    self.assertEqual((await a.step(rows[:, 3:4])).session_positions, [4])
+                    np.testing.assert_array_equal(self.rows[b.id], rows)
+                    await a.close()
 
     async def test_a_retrys_recreation_sent_again_after_it_was_applied_is_settled_by_the_next(
             self):

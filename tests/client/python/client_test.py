@@ -540,6 +540,81 @@ class SessionTest(unittest.TestCase):
             self.assertIn('as its last step (step_id "other-writer") did', e.exception.details())
             c.close_sessions([s.id])
 
+    def test_a_session_another_client_opened_is_never_taken_over(self):
+        # Client A's session is open when B's first step of the same id fails
+        # with its outcome unknown (here before it is sent): B's close() does
+        # not close A's session, and B's next steps, finding it named after
+        # A's step, are refused ALREADY_EXISTS, appending nothing. A create
+        # refused while A's request holds the session (GetSession's idle_ms
+        # 0, as answered here the first time) waits until it is idle: the same
+        # ALREADY_EXISTS, not an "unsure" ABORTED. (B used to take the session
+        # over at A's position, and to close it.)
+        rows = randn(29, 1, 2, 4, 8)
+        a = client.session("py-shared", causal="bottom_right")
+        a.step(rows[:, :, :2])
+        last = client.get_session("py-shared").last_step_id
+        for keep_rows in (False, True):
+            with self.subTest(keep_rows=keep_rows), attention_client.Client(
+                    server.target, timeout=30) as c:
+                def around(n, send):
+                    if n in (1, 2):
+                        raise AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "never sent")
+                    return send()
+                sent = self.interpose(c, around)
+                for closes in (True, False):
+                    b = c.session("py-shared", causal="bottom_right", keep_rows=keep_rows)
+                    with self.assertRaises(AttentionError) as e:
+                        b.step(rows[:, :, 2:3])
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+                    if closes:
+                        b.close()
+                        continue
+                    for _ in range(2):
+                        with self.assertRaises(AttentionError) as e:
+                            b.step(rows[:, :, 2:3])
+                        self.assertEqual(e.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+                    self.assertEqual((b.position, b.open), (0, False))
+                    b.close()
+                self.assertTrue(all(r.session.create for r in sent))
+                real, asked = c._stub.GetSession, []
+
+                def get_session(request, **kw):
+                    info = real(request, **kw)
+                    asked.append(info.idle_ms)
+                    if len(asked) == 1:
+                        info.idle_ms = 0  # as while A's request holds the session
+                    return info
+                c._stub.GetSession = get_session
+                b = c.session("py-shared", causal="bottom_right", keep_rows=keep_rows)
+                with self.assertRaises(AttentionError) as e:
+                    b.step(rows[:, :, 2:3])
+                self.assertEqual(e.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+                self.assertIn('session "py-shared" is already open (position 2)',
+                              e.exception.details())
+                self.assertEqual(len(asked), 2)
+                b.close()
+            info = client.get_session("py-shared")
+            self.assertEqual((info.position, info.last_step_id), (2, last))
+        answer = a.step(rows[:, :, 2:3])
+        self.assertEqual(answer.session_positions, [3])
+        np.testing.assert_allclose(answer.output, self.stateless(rows[:, :, 2:3], rows[:, :, :3]),
+                                   rtol=1e-5, atol=1e-6)
+        a.close()
+
+    def test_close_after_a_first_step_of_unknown_outcome_closes_a_session_it_created(self):
+        # The first step's create is applied but its answer lost: close()
+        # finds the session named after that step, and closes it.
+        with attention_client.Client(server.target, timeout=30) as c:
+            self.interpose(c, lambda n, send: self.lose_answer(n + 1, send))
+            s = c.session(causal="bottom_right")
+            with self.assertRaises(AttentionError):
+                s.step(randn(30, 1, 2, 3, 8))
+            self.assertEqual(c.get_session(s.id).position, 3)
+            s.close()
+            with self.assertRaises(AttentionError) as e:
+                c.get_session(s.id)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+
     def test_without_kept_rows_a_lost_session_is_not_found(self):
         s = client.session("py-lost", causal="bottom_right")
         s.step(randn(18, 1, 2, 2, 8))

@@ -2,11 +2,14 @@
 swapped for RemoteMultiheadAttention gives the original's output; layers
 written by export_model are served."""
 import copy
+import importlib.util
 import io
+import itertools
 import os
 import pickle
 import tempfile
 import unittest
+import unittest.mock
 import warnings
 
 import grpc
@@ -14,7 +17,7 @@ import torch
 
 import attention_client
 from attention_client.torch import RemoteMultiheadAttention, export_model
-from server_fixture import Server
+from server_fixture import MODELS_DIR, Server
 
 
 class TinyEncoder(torch.nn.Module):
@@ -234,6 +237,83 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
         self.assertIn("attn_mask: 3-D shape [12, 4, 4] is not [batch * num_heads, L, S] with "
                       "batch * num_heads = 2 * 4 = 8", e.exception.details())
 
+    def test_empty_inputs_get_torchs_answer(self):
+        # nn.MultiheadAttention answers inputs with no query, key or batch row,
+        # which the server refuses ("every dim must be >= 1"). No query or
+        # batch row: computed here, nothing sent. No key: out_proj's bias, or
+        # with "cross" the answer over bias_k and the zero key, whose weights
+        # are the server's: one call.
+        g = torch.Generator().manual_seed(11)
+        for name in ("enc_seq", "enc_batch", "cross"):
+            layer = LAYERS[name]
+            remote = RemoteMultiheadAttention(None, name, batch_first=layer.batch_first,
+                                              client=client)
+            for (lq, s, b), batched in itertools.product(
+                    [(0, 3, 2), (3, 0, 2), (3, 3, 0), (0, 0, 2)], (True, False)):
+                if not batched and b == 0:
+                    continue
+
+                def inputs(rows, dim):
+                    shape = [rows, b, dim] if batched else [rows, dim]
+                    if batched and layer.batch_first:
+                        shape[:2] = shape[1::-1]
+                    return torch.randn(shape, generator=g)
+                q, k, v = inputs(lq, 16), inputs(s, layer.kdim), inputs(s, layer.vdim)
+                masks = {"key_padding_mask": torch.zeros([b, s] if batched else [s],
+                                                         dtype=torch.bool),
+                         "attn_mask": torch.zeros(b * layer.num_heads if batched else
+                                                  layer.num_heads, lq, s)}
+                for kwargs in ({}, {"average_attn_weights": False}, {"need_weights": False},
+                               masks):
+                    with self.subTest(name, L=lq, S=s, B=b, batched=batched, **kwargs), \
+                            torch.no_grad(), unittest.mock.patch.object(
+                                client, "attend", wraps=client.attend) as attend:
+                        want, want_w = layer(q, k, v, **kwargs)
+                        got, got_w = remote(q, k, v, **kwargs)
+                        self.assertClose(got, want)
+                        if want_w is None:
+                            self.assertIsNone(got_w)
+                        else:
+                            self.assertClose(got_w, want_w)
+                        self.assertEqual(attend.call_count, int(lq > 0 and b > 0))
+        remote = RemoteMultiheadAttention(None, "enc_seq", client=client)
+        q = torch.zeros(0, 2, 16, dtype=torch.bfloat16)
+        got, got_w = remote(q, q, q, average_attn_weights=False)
+        self.assertEqual((got.dtype, tuple(got.shape), tuple(got_w.shape)),
+                         (torch.bfloat16, (0, 2, 16), (2, 4, 0, 0)))
+        # torch's checks hold for them too.
+        with self.assertRaises(attention_client.AttentionError) as e:
+            remote(q, q, q, key_padding_mask=torch.zeros(2, 1, dtype=torch.bool))
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("key_padding_mask", e.exception.details())
+
+    def test_inputs_of_other_ranks_than_torch_takes_are_invalid_argument(self):
+        # Anything but a 2-D query was taken for an unbatched one: a 4-D query
+        # was refused as "rank 5", a 3-D key with a 2-D query went unnoticed,
+        # and a 0-D query raised IndexError.
+        remote = RemoteMultiheadAttention(None, "enc_seq", client=client)
+        x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(12))
+        cases = [
+            ((x[None], x, x), {}, "query: shape [1, 4, 2, 16] is 4-D; want 3-D (batched) or "
+                                  "2-D (unbatched)"),
+            ((torch.tensor(1.0), x, x), {}, "query: shape [] is 0-D"),
+            ((x[:, 0], x, x[:, 0]), {}, "key: shape [4, 2, 16] is 3-D; want 2-D with the "
+                                        "unbatched query [4, 16]"),
+            ((x, x, x[:, 0]), {}, "value: shape [4, 16] is 2-D; want 3-D with the batched "
+                                  "query [4, 2, 16]"),
+            ((x, x, x), {"key_padding_mask": torch.zeros(4, dtype=torch.bool)},
+             "key_padding_mask: shape [4] is 1-D; want 2-D with the batched query"),
+            ((x, x, x), {"attn_mask": torch.zeros(8, 5, 4)},
+             "attn_mask: 3-D shape [8, 5, 4] is not [batch * num_heads, L, S] with batch * "
+             "num_heads = 2 * 4 = 8, L = 4 and S = 4"),
+        ]
+        for args, kwargs, text in cases:
+            with self.subTest(text):
+                with self.assertRaises(attention_client.AttentionError) as e:
+                    remote(*args, **kwargs)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn(text, e.exception.details())
+
     def test_causal_and_unbatched_inputs(self):
         layer = LAYERS["enc_batch"]
         remote = RemoteMultiheadAttention(None, "enc_batch", batch_first=True, client=client)
@@ -275,6 +355,32 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
         self.assertEqual((cross.kdim, cross.vdim, cross.add_bias_kv, cross.add_zero_attn),
                          (6, 10, True, True))
         self.assertFalse(served["half"].bias)
+
+    def test_export_refuses_a_name_other_than_the_folders(self):
+        # The server refuses to start on a model whose config.pbtxt names
+        # another than its folder ('name "layer_a" does not match its folder
+        # "folder_a"'); both exporters used to write such a name.
+        spec = importlib.util.spec_from_file_location(
+            "export_model", os.path.join(MODELS_DIR, "export_model.py"))
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        with tempfile.TemporaryDirectory() as parent:
+            folder = os.path.join(parent, "folder_a")
+            with self.assertRaises(attention_client.AttentionError) as e:
+                export_model(LAYERS["enc_seq"], folder, name="layer_a")
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn('name "layer_a" does not match its folder "folder_a"',
+                          e.exception.details())
+            with self.assertRaises(ValueError) as e:
+                script.export(LAYERS["enc_seq"], folder, name="layer_a")
+            self.assertIn('name "layer_a" does not match its folder "folder_a"',
+                          str(e.exception))
+            self.assertFalse(os.path.exists(folder))
+            self.assertEqual(export_model(LAYERS["enc_seq"], folder + "/", name="folder_a").name,
+                             "folder_a")
+            script.export(LAYERS["enc_seq"], os.path.join(parent, "script_a"), name="script_a")
+            with open(os.path.join(parent, "script_a", "config.pbtxt")) as f:
+                self.assertIn('name: "script_a"', f.read())
 
 
 if __name__ == "__main__":

@@ -170,6 +170,46 @@ class SessionResyncTest(unittest.TestCase):
         core.resync(service_pb2.SessionInfo(id="s", position=0, idle_ms=5))
         self.assertFalse(core.resync_needed)
 
+    def test_a_session_this_client_never_created_is_not_taken_over(self):
+        # The first step failed with its outcome unknown, and the server holds
+        # a session of that id naming another's step as its last (or, from a
+        # server that names none, another count of rows): another client's.
+        # Nothing is adopted; the next step creates, which the server refuses
+        # ALREADY_EXISTS. (It used to go on at the server's position: the
+        # step appended to another client's session.)
+        for keep_rows in (False, True):
+            for info in (service_pb2.SessionInfo(id="s", position=5, idle_ms=5,
+                                                 last_step_id="other-client"),
+                         service_pb2.SessionInfo(id="s", position=5, idle_ms=5)):
+                with self.subTest(keep_rows=keep_rows, named=info.HasField("last_step_id")):
+                    core = _session.SessionCore("s", keep_rows, "float32", {})
+                    step = core.prepare(np.ones((1, 1, 2), np.float32), None, None)
+                    core.failed(step, AttentionError(grpc.StatusCode.DEADLINE_EXCEEDED, "lost"))
+                    self.assertFalse(core.resync(info))
+                    self.assertEqual((core.created, core.position, core.unsure,
+                                      core.resync_needed), (False, 0, [], False))
+                    request = attention_pb2.AttendRequest.FromString(core.request(step))
+                    self.assertEqual((request.session.create, list(request.session.positions)),
+                                     (True, [0]))
+
+    def test_a_refused_create_is_aborted_only_if_the_session_names_its_step(self):
+        core = _session.SessionCore("s", False, "float32", {})
+        step = core.prepare(np.ones((1, 2, 2), np.float32), None, None)
+        refused = AttentionError(grpc.StatusCode.ALREADY_EXISTS,
+                                 'session "s" is already open (position 2)')
+        info = service_pb2.SessionInfo(id="s", position=2, idle_ms=5, last_step_id=step[4])
+        self.assertEqual(core.create_refused(step, refused, info).code(),
+                         grpc.StatusCode.ABORTED)
+        # Another's, though of this step's count: the id is taken.
+        info.last_step_id = "other-client"
+        self.assertIs(core.create_refused(step, refused, info), refused)
+        # Still held once the step's timeout passed: not known yet, and
+        # settled by the next step's resync, which adopts no other's session.
+        info.idle_ms = 0
+        error = core.create_refused(step, refused, info)
+        self.assertEqual(error.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertIn("a request still holds it", error.details())
+
     def resynced(self, keep_rows, failed):
         """A session at position 2 whose step `failed` [1, 1, 2] failed with its
         outcome unknown, after a resync that found the server at 3 rows."""
