@@ -354,9 +354,23 @@ absl::StatusOr<v1::AttendResponse> Session::Recreate(const v1::AttendRequest& st
   return answer;
 }
 
+absl::StatusOr<v1::SessionInfo> Session::InfoOnceIdle() {
+  const ClientOptions& options = client_->options();
+  const absl::Time deadline = options.timeout > absl::ZeroDuration() ? absl::Now() + options.timeout
+                                                                     : absl::InfiniteFuture();
+  for (;;) {
+    absl::StatusOr<v1::SessionInfo> info = client_->GetSession(id(), Call());
+    if (!info.ok() || info->idle_ms() != 0 || absl::Now() >= deadline) return info;
+    absl::SleepFor(kResyncPoll);
+  }
+}
+
 absl::Status Session::CreateRefused(const std::string& step_id, int64_t rows,
                                     absl::Status refused) {
-  const absl::StatusOr<v1::SessionInfo> info = client_->GetSession(id(), Call());
+  // Asked once no request holds it: while another client's does, its
+  // last step may be this one's count of rows, or the request may be this
+  // step's own first attempt.
+  const absl::StatusOr<v1::SessionInfo> info = InfoOnceIdle();
   if (info.ok() && info->idle_ms() != 0) {
     // Ours only if it names this step as the last that appended (a server
     // that names none: by the count alone).
@@ -368,8 +382,18 @@ absl::Status Session::CreateRefused(const std::string& step_id, int64_t rows,
         " rows: an earlier attempt of the step, whose answer was lost, created it; send the "
         "step again for its answer"));
   }
-  // A request holds it (this step's first attempt, maybe), or it is gone
-  // again (that attempt failed after all): settled by the next step.
+  if (info.ok()) {
+    // Held past the timeout, by this step's first attempt or by another's
+    // request: asked again by the next step.
+    return absl::DeadlineExceededError(absl::StrCat(
+        refused.message(),
+        "; a request still holds it, so whether it is this step's own (an "
+        "earlier attempt of the step may have created it) is not known yet; send the step "
+        "again"));
+  }
+  // Gone again (that attempt failed after all), or the server could not
+  // say: settled by the next step, which takes over no session that does not
+  // name one of this client's steps (Resync).
   return absl::AbortedError(
       absl::StrCat(refused.message(),
                    "; it may be this step's own (an earlier attempt of the step, whose "
@@ -387,17 +411,8 @@ void Session::UnsureSettled() {
 }
 
 absl::Status Session::Resync() {
-  const ClientOptions& options = client_->options();
-  const absl::Time deadline = options.timeout > absl::ZeroDuration()
-                                  ? absl::Now() + options.timeout
-                                  : absl::InfiniteFuture();
-  absl::StatusOr<v1::SessionInfo> info;
-  for (;;) {
-    info = client_->GetSession(id(), Call());
-    if (!info.ok() && !SessionNotFound(info.status(), id())) return info.status();
-    if (!info.ok() || info->idle_ms() != 0 || absl::Now() >= deadline) break;
-    absl::SleepFor(kResyncPoll);
-  }
+  const absl::StatusOr<v1::SessionInfo> info = InfoOnceIdle();
+  if (!info.ok() && !SessionNotFound(info.status(), id())) return info.status();
   if (!info.ok()) {
     // Never created, or lost (the step is then NOT_FOUND and, with kept
     // rows, recreated): the server holds none of the unsure steps.
@@ -453,6 +468,13 @@ absl::Status Session::Resync() {
     v1::AttendRequest found = *applied;  // Settled() clears unsure_
     Settled();
     applied_ = std::move(found);
+    return absl::OkStatus();
+  }
+  if (!created_) {
+    // No first step of this client's made it: the session is another's,
+    // never taken over (the step's create is refused ALREADY_EXISTS), nor
+    // closed by Close().
+    UnsureSettled();
     return absl::OkStatus();
   }
   if (keys_ == nullptr) {
@@ -531,8 +553,10 @@ absl::Status Session::Close() {
     stream_->Close().IgnoreError();
     stream_.reset();
   }
-  // A first step whose outcome is unknown may have created it.
-  if (created_ || !unsure_.empty()) {
+  // A first step whose outcome is unknown may have created it: closed only
+  // if the server names that step, never another client's session of the id.
+  if (!created_ && !unsure_.empty()) ATTN_RETURN_IF_ERROR(Resync());
+  if (created_) {
     absl::StatusOr<v1::CloseSessionsResponse> closed = client_->CloseSessions({id()}, Call());
     if (!closed.ok()) return closed.status();
   }

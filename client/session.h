@@ -108,8 +108,11 @@ class Session {
 
   // Closes the session's stream, if any, then the session on the server
   // (CloseSessions). OK also when the server no longer had it; a session no
-  // step created (nor may have: a first step whose outcome is unknown) sends
-  // nothing. Later steps are FAILED_PRECONDITION. Dropping
+  // step created sends nothing. After a first step whose outcome is unknown
+  // it asks the server first (as a step would), and closes the session only
+  // if it names that step: never another client's session of the same id
+  // (DEADLINE_EXCEEDED while a request holds it; Close may be called again).
+  // Later steps are FAILED_PRECONDITION. Dropping
   // a Session does not close it: the server keeps it until it expires or is
   // evicted.
   absl::Status Close();
@@ -146,11 +149,17 @@ class Session {
   // the step Resync found applied, whose rows are among the kept ones.
   absl::StatusOr<v1::AttendResponse> Recreate(const v1::AttendRequest& step, bool step_kept);
   // The status of a step whose create (the first step's, or a recreation's,
-  // of `rows` rows) the server refused ALREADY_EXISTS: that refusal as it is
-  // when the session is another's, else ABORTED, an outcome unknown. The
-  // channel sends a step again when its connection fails (so does a stream
-  // session), and a create whose first attempt was applied is refused so.
+  // of `rows` rows) the server refused ALREADY_EXISTS, asked of the server
+  // once no request holds the session: that refusal as it is when the
+  // session names another step (the id is another's), ABORTED (an outcome
+  // unknown) when it names this one or is gone, DEADLINE_EXCEEDED when a
+  // request still holds it past the timeout. The channel sends a step again
+  // when its connection fails (so does a stream session), and a create whose
+  // first attempt was applied is refused so.
   absl::Status CreateRefused(const std::string& step_id, int64_t rows, absl::Status refused);
+  // GetSession, asked again every 20 ms while a request holds the session
+  // (idle_ms 0), until the options' timeout.
+  absl::StatusOr<v1::SessionInfo> InfoOnceIdle();
   // Where the server has the session, after steps whose outcome is unknown
   // (Step's contract).
   absl::Status Resync();

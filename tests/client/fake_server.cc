@@ -143,7 +143,9 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     info->set_head_dim(session.head_dim);
     info->set_value_dim(session.value_dim);
     info->set_cache_dtype(session.cache_dtype);
-    info->set_idle_ms(1);  // no request holds it: each applies at once
+    // No request holds it (each applies at once), unless told otherwise.
+    info->set_idle_ms(state_->report_held > 0 ? 0 : 1);
+    if (state_->report_held > 0) --state_->report_held;
     if (state_->report_step_ids) info->set_last_step_id(session.last_step_id);  // even ""
 
     const int64_t element_bytes = session.cache_dtype == v1::Tensor::BFLOAT16 ? 2 : 4;
@@ -436,6 +438,11 @@ int64_t FakeAttentionServer::attend_calls() const {
 void FakeAttentionServer::set_report_step_ids(bool report) {
   absl::MutexLock lock(&state_.mu);
   state_.report_step_ids = report;
+}
+
+void FakeAttentionServer::ReportHeld(int64_t count) {
+  absl::MutexLock lock(&state_.mu);
+  state_.report_held = count;
 }
 
 void FakeAttentionServer::set_replica(std::string name) {

@@ -36,7 +36,8 @@ namespace attention::testing {
 // sequence dim, keeps a batch-1 request's key elements, and the answer carries
 // session_positions; close closes them after answering. CloseSessions and
 // GetSession answer from the same model (GetSession's bytes: position x
-// kv_heads x (head_dim + value_dim) x the cache dtype's size; idle_ms 1;
+// kv_heads x (head_dim + value_dim) x the cache dtype's size; idle_ms 1, or 0
+// while ReportHeld lasts;
 // last_step_id the step_id of the last request that appended, unless
 // set_report_step_ids(false), as a server from before it).
 // AttendStream answers each message as Attend would, with its id and status
@@ -68,6 +69,9 @@ class FakeAttentionServer {
   void set_replica(std::string name);
   // Whether GetSession reports last_step_id (it does at the start).
   void set_report_step_ids(bool report);
+  // The next `count` GetSession calls answer idle_ms 0, as while another
+  // client's request holds the session.
+  void ReportHeld(int64_t count);
   // The "authorization" metadata of the latest call, "" when it had none.
   std::string last_authorization() const;
   // The "attention-affinity" metadata of the latest call, "" when it had none.
@@ -143,6 +147,7 @@ class FakeAttentionServer {
     std::string health_service ABSL_GUARDED_BY(mu);
     std::string replica ABSL_GUARDED_BY(mu);
     bool report_step_ids ABSL_GUARDED_BY(mu) = true;
+    int64_t report_held ABSL_GUARDED_BY(mu) = 0;
     int64_t attend_calls ABSL_GUARDED_BY(mu) = 0;
     int64_t attend_streams ABSL_GUARDED_BY(mu) = 0;
     std::set<std::string> peers ABSL_GUARDED_BY(mu);

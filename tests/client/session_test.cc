@@ -245,6 +245,51 @@ TEST_F(SessionTest, CreatingAnOpenIdIsAlreadyExists) {
   EXPECT_FALSE(second->open());
 }
 
+// Another client's session of the same id is never taken over: its create is
+// ALREADY_EXISTS every time, also when the check lands while that client's
+// request holds the session (it used to fail ABORTED, as if it might be this
+// step's own, and the next step went on at the server's position, appending
+// to the other's session), and Close leaves it open.
+TEST_F(SessionTest, AnotherClientsSessionOfTheIdIsNeverTakenOverNorClosed) {
+  std::unique_ptr<Session> first = Open("taken");
+  ASSERT_THAT(first->Step(Rows(2, 4, 0)), IsOk());
+  std::unique_ptr<Session> second = Open("taken");
+  server_.ReportHeld(1);  // the first GetSession lands while first's request holds it
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_THAT(second->Step(Rows(1, 4, 10)),
+                StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("taken")))
+        << i;
+  }
+  ASSERT_THAT(second->Close(), IsOk());
+  EXPECT_EQ(server_.open_sessions(), 1);
+  ASSERT_THAT(first->Step(Rows(1, 4, 20)), IsOk());
+  EXPECT_EQ(first->position(), 3);
+}
+
+// A first step that failed with its outcome unknown, while the id is
+// another's: the next step is ALREADY_EXISTS (not the other's session taken
+// over at its position), and Close closes nothing.
+TEST_F(SessionTest, AnUnsureFirstStepOnAnotherClientsIdTakesNothingOver) {
+  std::unique_ptr<Session> first = Open("theirs");
+  ASSERT_THAT(first->Step(Rows(2, 4, 0)), IsOk());  // call 1
+  std::unique_ptr<Session> second = Open("theirs");
+  server_.FailCall(2, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(second->Step(Rows(1, 4, 10)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  EXPECT_THAT(second->Step(Rows(1, 4, 10)),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("theirs")));
+  EXPECT_FALSE(second->open());
+  EXPECT_EQ(server_.session_keys("theirs").size(), 2u * 4);  // first's rows alone
+
+  std::unique_ptr<Session> third = Open("theirs");
+  server_.FailCall(4, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(third->Step(Rows(1, 4, 30)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
+  ASSERT_THAT(third->Close(), IsOk());
+  EXPECT_EQ(server_.open_sessions(), 1);
+  EXPECT_EQ(server_.closed_sessions(), 0);
+}
+
 TEST_F(SessionTest, APositionMismatchIsAbortedAndKeepsThePosition) {
   std::unique_ptr<Session> s = Open("shared", /*keep_rows=*/true);
   ASSERT_NE(s, nullptr);
