@@ -71,6 +71,14 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
         self.assertEqual(got.dtype, want.dtype)
         torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
 
+    def assertSameAnswer(self, got, want):
+        """(output, weights) pairs as nn.MultiheadAttention returns them."""
+        self.assertClose(got[0], want[0])
+        if want[1] is None:
+            self.assertIsNone(got[1])
+        else:
+            self.assertClose(got[1], want[1])
+
     def swap_and_compare(self, name, batch_first):
         original = TinyEncoder(LAYERS[name], batch_first).eval()
         swapped = copy.deepcopy(original)
@@ -220,13 +228,7 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
         }
         for label, kwargs in cases.items():
             with self.subTest(label), torch.no_grad():
-                want, want_w = layer(q, k, v, **kwargs)
-                got, got_w = remote(q, k, v, **kwargs)
-                self.assertClose(got, want)
-                if want_w is None:
-                    self.assertIsNone(got_w)
-                else:
-                    self.assertClose(got_w, want_w)
+                self.assertSameAnswer(remote(q, k, v, **kwargs), layer(q, k, v, **kwargs))
 
     def test_a_3d_attn_mask_of_the_wrong_size_is_invalid_argument(self):
         remote = RemoteMultiheadAttention(None, "enc_seq", client=client)
@@ -268,13 +270,8 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
                     with self.subTest(name, L=lq, S=s, B=b, batched=batched, **kwargs), \
                             torch.no_grad(), unittest.mock.patch.object(
                                 client, "attend", wraps=client.attend) as attend:
-                        want, want_w = layer(q, k, v, **kwargs)
-                        got, got_w = remote(q, k, v, **kwargs)
-                        self.assertClose(got, want)
-                        if want_w is None:
-                            self.assertIsNone(got_w)
-                        else:
-                            self.assertClose(got_w, want_w)
+                        self.assertSameAnswer(remote(q, k, v, **kwargs),
+                                              layer(q, k, v, **kwargs))
                         self.assertEqual(attend.call_count, int(lq > 0 and b > 0))
         remote = RemoteMultiheadAttention(None, "enc_seq", client=client)
         q = torch.zeros(0, 2, 16, dtype=torch.bfloat16)
