@@ -7,7 +7,7 @@
 #   invalid    a request whose tensor bytes do not match its shape (10%):
 #              INVALID_ARGUMENT expected
 #   cancelled  raw B1 H4 L=S=256 E=256 with weights and a 1 ms deadline (10%,
-#              at most 50/s): DEADLINE_EXCEEDED (or CANCELLED, or OK when one
+#              at most 20/s): DEADLINE_EXCEEDED (or CANCELLED, or OK when one
 #              is fast enough) expected; exercises the server's cancellation
 #
 # each an attention_loadtest open loop. Capacity is the highest total rate of
