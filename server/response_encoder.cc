@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -125,17 +126,24 @@ absl::Status InvalidMessage(const google::protobuf::MessageLite& message) {
       absl::StrCat("the request is not a valid ", message.GetTypeName(), " message"));
 }
 
+std::atomic<int64_t> parse_trims{0};
+
 // The slices of a message, in order, each freed once the parser has moved on
 // to the next (protobuf keeps no pointer into a buffer it has left: it copies
 // what it still needs of one before asking for the next). gRPC's slices are
 // small blocks of malloc's heap, which glibc keeps when freed, while each
 // parsed tensor is one new allocation that cannot reuse them: without giving
 // them back as it goes, a large request would still cost its size twice in
-// RSS. So every kTrimEvery bytes freed, malloc_trim returns the free pages:
-// only requests that large pay for it (docs/serving.md, "Memory").
+// RSS. So in a request of kTrimFrom bytes or more, every kTrimEvery bytes
+// freed, malloc_trim returns the free pages; smaller ones, whose trims cost
+// more than they give back, are not trimmed (docs/serving.md, "malloc").
 class ReleasingSliceStream final : public google::protobuf::io::ZeroCopyInputStream {
  public:
-  explicit ReleasingSliceStream(std::vector<grpc::Slice> slices) : slices_(std::move(slices)) {}
+  explicit ReleasingSliceStream(std::vector<grpc::Slice> slices) : slices_(std::move(slices)) {
+    size_t total = 0;
+    for (const grpc::Slice& slice : slices_) total += slice.size();
+    trim_ = total >= kTrimFrom;
+  }
 
   bool Next(const void** data, int* size) override {
     if (backed_up_ > 0) {  // what BackUp returned of the current slice
@@ -149,8 +157,9 @@ class ReleasingSliceStream final : public google::protobuf::io::ZeroCopyInputStr
     if (started_ && current_ < slices_.size()) {
       released_ += slices_[current_].size();
       slices_[current_++] = grpc::Slice();
-      if (released_ >= kTrimEvery) {
+      if (trim_ && released_ >= kTrimEvery) {
         malloc_trim(0);
+        parse_trims.fetch_add(1, std::memory_order_relaxed);
         released_ = 0;
       }
     }
@@ -184,8 +193,10 @@ class ReleasingSliceStream final : public google::protobuf::io::ZeroCopyInputStr
   int64_t ByteCount() const override { return bytes_; }
 
  private:
+  static constexpr size_t kTrimFrom = size_t{64} << 20;
   static constexpr size_t kTrimEvery = size_t{16} << 20;
   std::vector<grpc::Slice> slices_;
+  bool trim_ = false;
   size_t released_ = 0;
   size_t current_ = 0;
   bool started_ = false;
@@ -227,6 +238,8 @@ absl::Status ParseAndReleaseMessage(grpc::ByteBuffer* buffer,
     return absl::OkStatus();
   });
 }
+
+int64_t ParseTrims() { return parse_trims.load(std::memory_order_relaxed); }
 
 absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
   grpc::ByteBuffer shared(buffer);  // shares the slices: `buffer` keeps them

@@ -32,6 +32,10 @@ grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message);
 absl::Status ParseAndReleaseMessage(grpc::ByteBuffer* buffer,
                                     google::protobuf::MessageLite* message);
 
+// How many times parsing has trimmed the heap (malloc_trim) in this
+// process: only requests of 64 MiB or more do, every 16 MiB they free.
+int64_t ParseTrims();
+
 // The same parser for a buffer the caller keeps (its slices are shared, so
 // nothing is freed): the server's own path, for tests and fuzz targets.
 absl::Status ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message);
