@@ -451,7 +451,9 @@ TEST(DrainTest, RefusalsWhileDrainingAreRetriedOnAnotherReplica) {
   EXPECT_THAT(WaitForNotServing(**checker), IsOkAndHolds("NOT_SERVING"));
   // The refusal names its replica still, in its trailers.
   std::string refused_by;
-  ASSERT_THAT((*checker)->Attend(Small(), {.replica = &refused_by}),
+  client::CallOptions named;
+  named.replica = &refused_by;
+  ASSERT_THAT((*checker)->Attend(Small(), named),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
   EXPECT_EQ(refused_by, "draining");
   // Round robin picks the draining replica for every other attempt; a
