@@ -120,13 +120,26 @@ absl::StatusOr<StateDict> ParseSafetensors(absl::string_view bytes, const std::s
   }
   std::sort(entries.begin(), entries.end(),
             [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
-  for (size_t i = 1; i < entries.size(); ++i) {
-    if (entries[i].begin < entries[i - 1].end) {
+  // As the format requires: the tensors cover the data section exactly,
+  // with no overlap, no hole and nothing after the last.
+  uint64_t covered = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (i > 0 && entries[i].begin < entries[i - 1].end) {
       return absl::InvalidArgumentError(
           absl::StrCat(source, ": tensors \"", entries[i - 1].key, "\" [", entries[i - 1].begin,
                        ", ", entries[i - 1].end, ") and \"", entries[i].key, "\" [",
                        entries[i].begin, ", ", entries[i].end, ") overlap"));
     }
+    if (entries[i].begin > covered) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source, ": bytes [", covered, ", ", entries[i].begin, ") of the data section before \"",
+          entries[i].key, "\" belong to no tensor"));
+    }
+    covered = entries[i].end;
+  }
+  if (covered != data.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": the data section has ", data.size(),
+                                                   " bytes; its tensors hold ", covered));
   }
   StateDict dict;
   for (const Entry& e : entries) {

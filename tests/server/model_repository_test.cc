@@ -237,6 +237,29 @@ TEST_F(ModelRepositoryTest, RefusesDimsWhoseWeightShapesWouldOverflow) {
                          "at most 2147483647")));
 }
 
+// The format's rule: the tensors cover the data section exactly. A hole or
+// bytes after the last tensor mean a file written wrong (or cut and patched).
+TEST(SafetensorsTest, RejectsDataNoTensorHolds) {
+  const auto file = [](const std::string& header, size_t data_bytes) {
+    std::string bytes(8, '\0');
+    bytes[0] = static_cast<char>(header.size());
+    return bytes + header + std::string(data_bytes, '\0');
+  };
+  const std::string a = R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
+  ASSERT_TRUE(ParseSafetensors(file("{" + a + "}", 4), "t").ok());
+  EXPECT_THAT(ParseSafetensors(file("{" + a + "}", 6), "t"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("t: the data section has 6 bytes; its tensors hold 4")));
+  EXPECT_THAT(
+      ParseSafetensors(
+          file("{" + a + R"(,"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})", 12), "t"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("t: bytes [4, 8) of the data section before \"b\" belong to no tensor")));
+  EXPECT_THAT(ParseSafetensors(file("{}", 2), "t"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("t: the data section has 2 bytes; its tensors hold 0")));
+}
+
 TEST(SafetensorsTest, RejectsHeaderThatIsNotJson) {
   std::string bytes(8, '\0');
   bytes[0] = 3;
