@@ -306,7 +306,17 @@ absl::StatusOr<Verifier> Verifier::Create(AnswerShapes shapes,
   std::optional<std::vector<float>> weights;
   if (expected.has_value()) {
     ATTN_ASSIGN_OR_RETURN(output, ExpectedValues("output", expected->output(), shapes.output));
-    if (shapes.weights.has_value() && expected->has_weights()) {
+    // Every value the answers carry is compared, or the run refuses to start:
+    // weights on one side only would pass unchecked.
+    if (shapes.weights.has_value() != expected->has_weights()) {
+      return absl::InvalidArgumentError(
+          shapes.weights.has_value()
+              ? "expected response: has no weights, but the request asks for them "
+                "(need_weights), so the answers' weights could not be compared"
+              : "expected response: has weights, but the request does not ask for them "
+                "(need_weights false), so the answers carry none to compare");
+    }
+    if (shapes.weights.has_value()) {
       ATTN_ASSIGN_OR_RETURN(weights,
                             ExpectedValues("weights", expected->weights(), *shapes.weights));
     }

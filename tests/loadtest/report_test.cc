@@ -291,5 +291,31 @@ TEST(VerifierTest, CatchesWrongShapesNonFiniteValuesAndWrongValues) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected response")));
 }
 
+// Weights on one side only would leave them unchecked: the run refuses.
+TEST(VerifierTest, RefusesAnExpectedResponseWhoseWeightsDoNotMatchTheRequest) {
+  v1::AttendResponse expected;
+  *expected.mutable_output() = *client::MakeFloatTensor({1, 2}, {1.0f, 2.0f});
+  EXPECT_THAT(Verifier::Create({.output = {1, 2}, .weights = std::vector<int64_t>{1, 1, 1}},
+                               expected, 0, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("expected response: has no weights, but the request asks for "
+                                 "them (need_weights)")));
+
+  *expected.mutable_weights() = *client::MakeFloatTensor({1, 1, 1}, {1.0f});
+  EXPECT_THAT(Verifier::Create({.output = {1, 2}, .weights = std::nullopt}, expected, 0, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("expected response: has weights, but the request does not ask "
+                                 "for them")));
+
+  absl::StatusOr<Verifier> verifier = Verifier::Create(
+      {.output = {1, 2}, .weights = std::vector<int64_t>{1, 1, 1}}, expected, 0, 0);
+  ASSERT_TRUE(verifier.ok()) << verifier.status();
+  v1::AttendResponse answer = expected;
+  EXPECT_THAT(verifier->Check(answer), IsOk());
+  *answer.mutable_weights() = *client::MakeFloatTensor({1, 1, 1}, {0.5f});
+  EXPECT_THAT(verifier->Check(answer),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("weights")));
+}
+
 }  // namespace
 }  // namespace attention::loadtest
