@@ -70,6 +70,10 @@ double LoadStats::throughput_rps() const {
   return PerSecond(static_cast<double>(requests()), duration_s);
 }
 
+double LoadStats::ok_rps() const {
+  return PerSecond(static_cast<double>(calls_by_code[0]), duration_s);
+}
+
 double LoadStats::sent_rps() const { return PerSecond(static_cast<double>(sent), send_window_s); }
 
 double LoadStats::cpu_percent() const {

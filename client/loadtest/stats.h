@@ -59,6 +59,9 @@ struct LoadStats {
   double error_fraction() const;
   // Completed calls per second of duration_s.
   double throughput_rps() const;
+  // Calls answered OK (and passing --verify) per second of duration_s: what
+  // the rps gate measures.
+  double ok_rps() const;
   // Calls sent per second of send_window_s.
   double sent_rps() const;
   // CPU time / (wall time x cores), in percent.

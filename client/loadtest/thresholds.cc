@@ -130,7 +130,7 @@ std::string ThresholdResult::Describe() const {
       measured = absl::StrFormat("errors are %.0f", value);
       break;
     case Threshold::Metric::kThroughput:
-      measured = absl::StrFormat("rps is %.1f", value);
+      measured = absl::StrFormat("rps is %.1f (answered OK)", value);
       break;
     default:
       measured = absl::StrCat(
@@ -164,7 +164,7 @@ std::vector<ThresholdResult> EvaluateThresholds(const std::vector<Threshold>& th
         result.value = static_cast<double>(stats.errors());
         break;
       case Threshold::Metric::kThroughput:
-        result.value = stats.throughput_rps();
+        result.value = stats.ok_rps();
         break;
     }
     result.passed = Holds(result.value, threshold.op, threshold.bound);

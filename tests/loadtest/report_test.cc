@@ -75,9 +75,9 @@ INSTANTIATE_TEST_SUITE_P(BadThresholds, ThresholdRejectsTest,
                                            BadInput{"rps>many", "rps takes a number"}));
 
 TEST(ThresholdTest, BrokenThresholdsSayWhichAndExitWithTwo) {
-  const std::vector<ThresholdResult> results =
-      Evaluate({"p99<20ms", "p99.9<20ms", "errors<1%", "errors<5", "rps>400", "max<=100ms"});
-  ASSERT_EQ(results.size(), 6u);
+  const std::vector<ThresholdResult> results = Evaluate(
+      {"p99<20ms", "p99.9<20ms", "errors<1%", "errors<5", "rps>400", "max<=100ms", "rps>=498"});
+  ASSERT_EQ(results.size(), 7u);
   EXPECT_TRUE(results[0].passed) << results[0].Describe();  // p99 is 1 ms
   EXPECT_FALSE(results[1].passed);                          // p99.9 is 100 ms
   EXPECT_NEAR(results[1].value, 100e6, 1e6);
@@ -87,6 +87,9 @@ TEST(ThresholdTest, BrokenThresholdsSayWhichAndExitWithTwo) {
   EXPECT_THAT(results[3].Describe(), HasSubstr("errors are 5"));
   EXPECT_TRUE(results[4].passed) << results[4].Describe();  // 500/s
   EXPECT_TRUE(results[5].passed) << results[5].Describe();
+  // 500 answers/s, but 5 of the 1000 failed: 497.5 OK.
+  EXPECT_FALSE(results[6].passed);
+  EXPECT_THAT(results[6].Describe(), HasSubstr("rps>=498: rps is 497.5 (answered OK)"));
   EXPECT_EQ(ThresholdExitCode(results), kExitThreshold);
   EXPECT_EQ(ThresholdExitCode(Evaluate({"p50<2ms", "errors<=5"})), kExitOk);
   EXPECT_EQ(ThresholdExitCode({}), kExitOk);
