@@ -230,11 +230,13 @@ absl::Status AttentionServiceImpl::CheckAnswerSize(const CallCost& cost,
   if (answer <= static_cast<double>(options_.max_message_bytes)) return absl::OkStatus();
   return OverLimitError(
       "max_message_mb",
-      absl::StrCat("answer: ", static_cast<int64_t>(answer), " bytes (output ",
-                   static_cast<int64_t>(output), ", weights ", static_cast<int64_t>(weights),
-                   ") would exceed the largest message the server sends, ",
-                   options_.max_message_bytes, " bytes (--max_message_mb)",
-                   weights > 0 ? "; ask without need_weights" : ""));
+      absl::StrCat(
+          "answer: ", static_cast<int64_t>(answer), " bytes (output ", static_cast<int64_t>(output),
+          ", weights ", static_cast<int64_t>(weights), ", and ",
+          static_cast<int64_t>(kAnswerHeadBytes),
+          " kept for its other fields) would exceed the largest message the server sends, ",
+          options_.max_message_bytes, " bytes (--max_message_mb)",
+          weights > 0 ? "; ask without need_weights" : ""));
 }
 
 absl::Status AttentionServiceImpl::ReserveMemory(const CallCost& cost,

@@ -850,7 +850,8 @@ TEST_F(CostLimitTest, AnAnswerOverTheMessageLimitIsRefusedBeforeCompute) {
   const double computed = AttendLatencyCount(server_->server(), "compute");
   EXPECT_THAT(client().Attend(request),
               StatusIs(kExhausted, AllOf(HasSubstr("answer: 1054720 bytes (output 2048, weights "
-                                                   "1048576)"),
+                                                   "1048576, and 4096 kept for its other "
+                                                   "fields)"),
                                          HasSubstr("1048576 bytes (--max_message_mb)"),
                                          HasSubstr("without need_weights"))));
   EXPECT_EQ(AttendLatencyCount(server_->server(), "compute"), computed)
