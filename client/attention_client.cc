@@ -5,7 +5,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -19,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -40,16 +43,29 @@ namespace {
 // gRPC caps a retry policy's maxAttempts at 5.
 constexpr int kMaxAttempts = 5;
 
-// The whole of `path`; INVALID_ARGUMENT naming `option` and the file.
+// The whole of `path`; INVALID_ARGUMENT naming `option` and the file when it
+// cannot be read or is empty (gRPC would take an empty CA list for the
+// system's roots, and an empty key for no client certificate).
 absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(option, ": cannot read ", path, ": it is a directory"));
+  }
   std::ifstream in(path, std::ios::binary);
-  std::ostringstream contents;
-  if (in) contents << in.rdbuf();
-  if (!in || in.bad()) {
+  if (!in) {
     return absl::InvalidArgumentError(
         absl::StrCat(option, ": cannot read ", path, ": ", std::strerror(errno)));
   }
-  return contents.str();
+  std::string contents{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (in.bad()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(option, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  if (contents.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(option, ": ", path, " is empty"));
+  }
+  return contents;
 }
 
 // Plaintext credentials, or TLS ones when any TLS option is set.
@@ -342,9 +358,25 @@ absl::Status AttendStream::Close() {
   return s.End(/*cancel=*/!half_closed, std::nullopt);
 }
 
+absl::Status CheckBearerToken(absl::string_view token) {
+  for (size_t i = 0; i < token.size(); ++i) {
+    const auto c = static_cast<unsigned char>(token[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "byte %d of %d is 0x%02x; a token goes in a header, so it must be "
+          "printable ASCII (a newline read from a file with it, too, must be removed)",
+          i, token.size(), c));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
     const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("target is empty");
+  if (absl::Status token = CheckBearerToken(options.bearer_token); !token.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("bearer_token: ", token.message()));
+  }
   if (options.max_message_mb < 1 || options.max_message_mb > kMaxMessageMb) {
     return absl::InvalidArgumentError(absl::StrCat("max_message_mb is ", options.max_message_mb,
                                                    ", must be in [1, ", kMaxMessageMb, "]"));

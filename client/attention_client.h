@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attention/v1/service.grpc.pb.h"
 
@@ -24,7 +26,8 @@ struct ClientOptions {
   // gRPC target: "127.0.0.1:50051", "dns:///name:50051", ...
   std::string target = "127.0.0.1:50051";
   int64_t max_message_mb = 256;  // 1 to kMaxMessageMb
-  // Sent as "authorization: Bearer <token>" when not empty.
+  // Sent as "authorization: Bearer <token>" when not empty: printable ASCII
+  // (CheckBearerToken).
   std::string bearer_token;
   // TLS, used when any of these four is set (PEM file paths). tls_ca_file:
   // the CAs that may sign the server's certificate; empty trusts the system's
@@ -66,6 +69,12 @@ struct ClientOptions {
            !tls_server_name_override.empty();
   }
 };
+
+// OK, or INVALID_ARGUMENT naming the first byte of `token` that a header value
+// cannot carry (gRPC aborts the process on such metadata): a bearer token is
+// printable ASCII, 0x20 to 0x7e. AttentionClient::Create checks its options'
+// ("bearer_token: " and this message).
+absl::Status CheckBearerToken(absl::string_view token);
 
 // One call's routing: what a proxy hashes on, and which replica answered
 // (docs/sessions.md, "Sessions across replicas").
@@ -123,8 +132,9 @@ class AttentionClient {
  public:
   // INVALID_ARGUMENT for an empty target, a max_message_mb outside
   // [1, 2047], a max_attempts outside [1, 5], reconnect backoffs that are not
-  // positive and finite (or initial > max), only one of tls_cert_file and
-  // tls_key_file, or a TLS file that cannot be read (naming it). Connects
+  // positive and finite (or initial > max), a bearer_token a header cannot
+  // carry, only one of tls_cert_file and tls_key_file, or a TLS file that
+  // cannot be read or is empty (naming it). Connects
   // lazily: an unreachable target or a failed TLS handshake fails the first
   // call with UNAVAILABLE.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(const ClientOptions& options);

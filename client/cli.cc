@@ -96,6 +96,9 @@ absl::Status SetFlag(absl::string_view name, const std::string& value, CliComman
     }
     command->client.timeout = timeout;
   } else if (name == "token") {
+    if (absl::Status token = CheckBearerToken(value); !token.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--token: ", token.message()));
+    }
     command->client.bearer_token = value;
   } else if (name == "max_message_mb") {
     int64_t mb;

@@ -372,6 +372,9 @@ absl::Status CheckOutputFolders(const LoadtestConfig& config) {
 
 absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
   if (config.targets.empty()) return absl::InvalidArgumentError("no --target given");
+  if (absl::Status token = client::CheckBearerToken(config.client.bearer_token); !token.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--token: ", token.message()));
+  }
   ATTN_RETURN_IF_ERROR(CheckOutputFolders(config));
   ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
   if (config.sessions != 0) return PrepareSessions(config, prepared);

@@ -10,6 +10,7 @@
 #include "grpcpp/channel.h"
 #include "gtest/gtest.h"
 #include "tests/client/fake_server.h"
+#include "tests/safetensors_writer.h"
 #include "tests/status_matchers.h"
 
 namespace attention::client {
@@ -43,6 +44,51 @@ TEST(AttentionClientCreateTest, RejectsEmptyTarget) {
   options.target = "";
   EXPECT_THAT(AttentionClient::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target is empty")));
+}
+
+// gRPC aborts the process on metadata a header cannot carry.
+TEST(AttentionClientCreateTest, RefusesATokenAHeaderCannotCarry) {
+  ClientOptions options;
+  options.bearer_token = "ab\ncd";
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("bearer_token: byte 2 of 5 is 0x0a; a token goes in a header")));
+  options.bearer_token = "\xc3\xbc";
+  EXPECT_THAT(
+      AttentionClient::Create(options),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bearer_token: byte 0 of 2 is 0xc3")));
+  options.bearer_token = "s3cret\r";
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("byte 6 of 7 is 0x0d")));
+  EXPECT_THAT(CheckBearerToken("A-z0_9.~+/= !"), IsOk());
+}
+
+// gRPC takes an empty CA list for the system's roots and an empty key for no
+// client certificate: each would fail later, naming neither flag nor file.
+TEST(AttentionClientCreateTest, RefusesTlsFilesThatAreDirectoriesOrEmpty) {
+  const std::string dir = testing::MakeTempDir("tls_files");
+  testing::WriteFile(dir + "/empty.pem", "");
+  testing::WriteFile(dir + "/cert.pem", "not checked here");
+  ClientOptions options;
+  options.tls_ca_file = dir;
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tls_ca_file: cannot read " + dir + ": it is a directory")));
+  options.tls_ca_file = dir + "/empty.pem";
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tls_ca_file: " + dir + "/empty.pem is empty")));
+  options.tls_ca_file.clear();
+  options.tls_cert_file = dir + "/cert.pem";
+  options.tls_key_file = dir;
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tls_key_file: cannot read " + dir + ": it is a directory")));
+  options.tls_key_file = dir + "/missing.key";
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tls_key_file: cannot read " + dir +
+                                 "/missing.key: No such file or directory")));
 }
 
 TEST(AttentionClientCreateTest, RejectsMessageLimitOutsideRange) {

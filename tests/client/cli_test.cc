@@ -183,6 +183,15 @@ TEST(ParseCliArgsTest, NamesTheBadArgument) {
               StatusIs(kInvalid, HasSubstr("--tls_key needs --tls_cert (its certificate)")));
 }
 
+// A token gRPC could not send (it would abort the process) is a usage error.
+TEST(RunCliTest, ATokenAHeaderCannotCarryIsAUsageError) {
+  const CliResult result = RunCliOn({"info", "--token", "ab\ncd"});
+  EXPECT_EQ(result.code, kCliUsage);
+  EXPECT_THAT(result.err,
+              StartsWith("error: INVALID_ARGUMENT: --token: byte 2 of 5 is 0x0a; a token goes in "
+                         "a header, so it must be printable ASCII"));
+}
+
 TEST(RunCliTest, UsageErrorsExitTwo) {
   for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
            {}, {"bogus"}, {"--nope", "info"}, {"call", "--timeout"}, {"health", "x"}}) {
