@@ -448,11 +448,15 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
-  // Scrapes are rare and small: two workers, one request per connection, and
-  // a short wait for a request so shutdown is never held up for long.
-  http.new_task_queue = [] { return new httplib::ThreadPool(2); };
+  // Scrapes and probes are small: one request per connection, and a short
+  // wait for it, so that shutdown is never held up for long and connections
+  // that send nothing (a port scan, a stuck client) hold a worker for 1 s
+  // only. kMetricsWorkers of them: a load balancer's probes must not queue
+  // behind a few such connections, or it takes the replica out of rotation.
+  http.new_task_queue = [] { return new httplib::ThreadPool(kMetricsWorkers); };
   http.set_keep_alive_max_count(1);
   http.set_keep_alive_timeout(1);
+  http.set_read_timeout(1, 0);
 
   if (port == 0) {
     impl->port = http.bind_to_any_port(host);

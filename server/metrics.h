@@ -155,6 +155,9 @@ class Metrics {
 // and 404 for anything else. Thread-safe.
 class MetricsServer {
  public:
+  // Connections served at once; each waits at most 1 s for its request.
+  static constexpr int kMetricsWorkers = 8;
+
   // Binds `host`:`port` (0 picks a free port) and starts serving `metrics`,
   // which must outlive the server. INVALID_ARGUMENT for a null `metrics` or a
   // port outside [0, 65535]; UNAVAILABLE when the address cannot be bound

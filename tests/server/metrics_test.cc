@@ -1,10 +1,15 @@
 #include "server/metrics.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <ctime>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -547,6 +552,29 @@ TEST_F(MetricsServerTest, ScrapesSeeNewValues) {
   httplib::Result after = Get("/metrics");
   ASSERT_TRUE(after) << httplib::to_string(after.error());
   EXPECT_THAT(Parse(after->body).Value("attention_in_flight"), Optional(4.0));
+}
+
+// Connections that send nothing must not stall the probes: with two workers
+// and httplib's 5 s wait for a request, two idle sockets held /healthz for
+// 4 to 21 s, past any load balancer's check timeout.
+TEST_F(MetricsServerTest, IdleConnectionsDoNotHoldUpProbes) {
+  std::vector<int> idle;
+  for (int i = 0; i < MetricsServer::kMetricsWorkers - 2; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(server_->port()));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+    idle.push_back(fd);
+  }
+  httplib::Client client("127.0.0.1", server_->port());
+  client.set_read_timeout(3);  // the old server answered after 5 s at best
+  httplib::Result result = client.Get("/healthz");
+  for (int fd : idle) close(fd);
+  ASSERT_TRUE(result) << httplib::to_string(result.error());
+  EXPECT_EQ(result->status, 200);
 }
 
 TEST_F(MetricsServerTest, HealthzIsOk) {
