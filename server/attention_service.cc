@@ -329,6 +329,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer* request_bytes,
                                                        grpc::ByteBuffer* response) {
   const absl::Time start = absl::Now();
+  // Even a refused call received its request's bytes: the trimmer must know.
+  metrics_->NoteCallArrived();
   UnaryReactor* reactor = new UnaryReactor(this);
   // Shared with the job's `done`, which outlives this call: the job's views
   // point into it.
@@ -384,6 +386,8 @@ class AttentionServiceImpl::StreamReactor final
  public:
   StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
+    const absl::Time start = absl::Now();
+    service_->metrics_->NoteCallArrived();
     // Registered before the drain check: a drain that starts meanwhile either
     // finds this stream registered or is seen by the check.
     service_->AddStream(this);
@@ -391,6 +395,8 @@ class AttentionServiceImpl::StreamReactor final
     const absl::Status admitted = service_->Admit(*context);
     service_->NameReplica(context, admitted);
     if (!admitted.ok()) {
+      // Counted as one AttendStream call, as a refused Attend is.
+      service_->Record("AttendStream", "", admitted, start, nullptr);
       finished_ = true;
       Finish(ToGrpcStatus(admitted));
       return;
@@ -431,6 +437,7 @@ class AttentionServiceImpl::StreamReactor final
     absl::Status parsed = ParseAndReleaseMessage(&bytes, request.get());
     // Parsed first, so that the refusal carries the request's id.
     if (parsed.ok() && service_->draining_.load()) parsed = DrainingError(request.get());
+    service_->metrics_->NoteCallArrived();
     service_->metrics_->AddInFlight(1);
     const absl::Time start = absl::Now();
     // Memory the request holds until its answer is written (or dropped).

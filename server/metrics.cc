@@ -229,10 +229,7 @@ void Metrics::ObserveBatchSize(int size) {
 
 void Metrics::SetQueueDepth(int64_t depth) { queue_depth_.store(depth, std::memory_order_relaxed); }
 
-void Metrics::AddInFlight(int delta) {
-  in_flight_.fetch_add(delta, std::memory_order_relaxed);
-  if (delta > 0) calls_started_.fetch_add(delta, std::memory_order_relaxed);
-}
+void Metrics::AddInFlight(int delta) { in_flight_.fetch_add(delta, std::memory_order_relaxed); }
 
 void Metrics::CountNotComputed(absl::string_view reason) {
   std::string key(reason);

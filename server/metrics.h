@@ -86,10 +86,12 @@ class Metrics {
   void SetMemoryReserved(int64_t bytes) {
     memory_reserved_.store(bytes, std::memory_order_relaxed);
   }
-  // Calls being handled now, and calls started so far (the sum of
-  // AddInFlight's positive deltas).
+  // Calls being handled now, and calls (and stream requests) that arrived so
+  // far, refused ones too (NoteCallArrived): the heap trimmer's signal that
+  // memory may have been used since it last trimmed.
   int64_t in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
   uint64_t calls_started() const { return calls_started_.load(std::memory_order_relaxed); }
+  void NoteCallArrived() { calls_started_.fetch_add(1, std::memory_order_relaxed); }
   // A request dropped before compute because its call was over; `reason` is
   // "cancelled" or "deadline_exceeded" (both are rendered from the start, at 0).
   void CountNotComputed(absl::string_view reason);

@@ -89,6 +89,35 @@ TEST(AuthTest, CallsNeedTheBearerTokenButHealthDoesNot) {
   EXPECT_THAT((*authed)->ListModels(), IsOk());
 }
 
+// A refused call is still a call: counted once per method, and noted for the
+// heap trimmer, since receiving its request used memory (an idle server only
+// gives memory back after a call has arrived).
+TEST(AuthTest, RefusedCallsAreCountedAndNotedForTheTrimmer) {
+  const std::string dir = MakeTempDir("auth_counted");
+  WriteFile(dir + "/token", "s3cret-token\n");
+  ServerOptions options;
+  options.auth_token_file = dir + "/token";
+  auto server = TestServer::Start(options);
+  ASSERT_THAT(server, IsOk());
+  const server::Metrics& metrics = (*server)->server().metrics();
+  const uint64_t arrived = metrics.calls_started();
+  client::AttentionClient& anonymous = (*server)->client();
+  EXPECT_THAT(anonymous.Attend(Small()),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("authorization")));
+  EXPECT_EQ(metrics.calls_started(), arrived + 1);
+  std::unique_ptr<client::AttendStream> stream = anonymous.OpenStream();
+  EXPECT_THAT(stream->Call(Small()),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("authorization")));
+  EXPECT_EQ(metrics.calls_started(), arrived + 2);
+  const std::map<std::string, double> m = ParseMetrics(metrics.RenderPrometheus());
+  for (const char* method : {"Attend", "AttendStream"}) {
+    EXPECT_EQ(m.at(absl::StrCat("attention_requests_total{method=\"", method,
+                                "\",model=\"\",code=\"UNAUTHENTICATED\"}")),
+              1)
+        << method;
+  }
+}
+
 class TlsTest : public ::testing::Test {
  protected:
   void SetUp() override {
