@@ -20,16 +20,17 @@ struct HeapTrimStats {
 };
 HeapTrimStats HeapTrimStatsNow();
 
-// What a HeapTrimmer watches: calls being handled now, and calls started so
-// far (a count that only grows).
+// What a HeapTrimmer watches: calls being handled now, and a count that only
+// grows, of the calls that arrived and the sessions that ended so far (each
+// may have left memory free).
 struct ServerActivity {
   int64_t in_flight = 0;
   uint64_t started = 0;
 };
 
-// Calls malloc_trim(0) once the server has had no call in flight for `idle`
-// (and has had a call since the last trim), on a thread of its own, until
-// destroyed.
+// Calls malloc_trim(0) once the server has had no call in flight and no new
+// activity for `idle` (and has had some since the last trim), on a thread of
+// its own, until destroyed.
 //
 // Why: glibc returns to the system only the free top of each heap. A burst
 // of large requests (which gRPC reads in slices of tens of KiB) grows a heap,

@@ -238,6 +238,9 @@ void Metrics::CountNotComputed(absl::string_view reason) {
 }
 
 void Metrics::CountSessionEnded(absl::string_view reason) {
+  // Its cache went back to the pool or to malloc: an expiry with no call in
+  // sight must wake the trimmer too.
+  activity_.fetch_add(1, std::memory_order_relaxed);
   std::string key(reason);
   absl::MutexLock lock(&mu_);
   ++sessions_ended_[std::move(key)];

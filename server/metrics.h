@@ -86,12 +86,13 @@ class Metrics {
   void SetMemoryReserved(int64_t bytes) {
     memory_reserved_.store(bytes, std::memory_order_relaxed);
   }
-  // Calls being handled now, and calls (and stream requests) that arrived so
-  // far, refused ones too (NoteCallArrived): the heap trimmer's signal that
-  // memory may have been used since it last trimmed.
+  // Calls being handled now; and a count of what used or freed memory so far:
+  // calls (and stream requests) that arrived, refused ones too
+  // (NoteCallArrived), and sessions that ended, by any reason
+  // (CountSessionEnded). The heap trimmer's signal that it may have work.
   int64_t in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
-  uint64_t calls_started() const { return calls_started_.load(std::memory_order_relaxed); }
-  void NoteCallArrived() { calls_started_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t activity() const { return activity_.load(std::memory_order_relaxed); }
+  void NoteCallArrived() { activity_.fetch_add(1, std::memory_order_relaxed); }
   // A request dropped before compute because its call was over; `reason` is
   // "cancelled" or "deadline_exceeded" (both are rendered from the start, at 0).
   void CountNotComputed(absl::string_view reason);
@@ -144,7 +145,7 @@ class Metrics {
   std::atomic<int64_t> queue_limit_{0};
   std::atomic<int64_t> memory_budget_{0};
   std::atomic<int64_t> session_cache_limit_{0};
-  std::atomic<uint64_t> calls_started_{0};
+  std::atomic<uint64_t> activity_{0};
 };
 
 // An HTTP server on its own threads answering

@@ -185,7 +185,7 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   if (options.malloc_trim_idle_seconds > 0) {
     impl->trimmer = std::make_unique<server::HeapTrimmer>(
         absl::Seconds(options.malloc_trim_idle_seconds), [metrics = &impl->metrics] {
-          return server::ServerActivity{metrics->in_flight(), metrics->calls_started()};
+          return server::ServerActivity{metrics->in_flight(), metrics->activity()};
         });
   }
   ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,

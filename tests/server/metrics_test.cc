@@ -431,6 +431,18 @@ TEST(MetricsTest, GaugesHoldTheLatestValue) {
   EXPECT_THAT(exposition.Value("attention_in_flight"), Optional(2.0));
 }
 
+// What the heap trimmer watches: a session's end frees its cache whether or
+// not a call arrives (an expiry), so it counts as activity.
+TEST(MetricsTest, CallsAndEndedSessionsCountAsActivity) {
+  Metrics metrics;
+  EXPECT_EQ(metrics.activity(), 0u);
+  metrics.NoteCallArrived();
+  EXPECT_EQ(metrics.activity(), 1u);
+  metrics.CountSessionEnded("expired");
+  metrics.CountSessionEnded("closed");
+  EXPECT_EQ(metrics.activity(), 3u);
+}
+
 TEST(MetricsTest, CountsRequestsNotComputedByReason) {
   Metrics metrics;
   metrics.CountNotComputed("cancelled");

@@ -100,15 +100,15 @@ TEST(AuthTest, RefusedCallsAreCountedAndNotedForTheTrimmer) {
   auto server = TestServer::Start(options);
   ASSERT_THAT(server, IsOk());
   const server::Metrics& metrics = (*server)->server().metrics();
-  const uint64_t arrived = metrics.calls_started();
+  const uint64_t arrived = metrics.activity();
   client::AttentionClient& anonymous = (*server)->client();
   EXPECT_THAT(anonymous.Attend(Small()),
               StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("authorization")));
-  EXPECT_EQ(metrics.calls_started(), arrived + 1);
+  EXPECT_EQ(metrics.activity(), arrived + 1);
   std::unique_ptr<client::AttendStream> stream = anonymous.OpenStream();
   EXPECT_THAT(stream->Call(Small()),
               StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("authorization")));
-  EXPECT_EQ(metrics.calls_started(), arrived + 2);
+  EXPECT_EQ(metrics.activity(), arrived + 2);
   const std::map<std::string, double> m = ParseMetrics(metrics.RenderPrometheus());
   for (const char* method : {"Attend", "AttendStream"}) {
     EXPECT_EQ(m.at(absl::StrCat("attention_requests_total{method=\"", method,
