@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/mib_string.h"
 #include "common/status_macros.h"
 #include "engine/backend.h"
 #include "engine/internal.h"
@@ -97,19 +98,16 @@ absl::Status CheckLimits(const AttentionArgs& args, const AttentionShape& s,
   return CheckShapeLimits(s, args.need_weights, o);
 }
 
-std::string MiB(double bytes) {
-  return absl::StrCat(static_cast<double>(std::llround(bytes / (1 << 20) * 10)) / 10);
-}
-
 // A call's cost against max_request_bytes and max_request_flops.
 absl::Status CheckCost(const CallCost& c, const EngineOptions& o) {
   if (o.max_request_bytes != 0 && c.bytes() > static_cast<double>(o.max_request_bytes)) {
+    const MiBPair over = MiBOverLimit(c.bytes(), static_cast<double>(o.max_request_bytes));
     return OverLimitError(
         "max_request_mb",
-        absl::StrCat("request: would allocate ", MiB(c.bytes()), " MiB (output ",
-                     MiB(c.output_bytes()), ", weights ", MiB(c.weights_bytes()),
-                     ", working memory ", MiB(c.scratch_bytes), "), over the limit of ",
-                     MiB(static_cast<double>(o.max_request_bytes)), " MiB per request"));
+        absl::StrCat("request: would allocate ", over.bytes, " (output ",
+                     MiBString(c.output_bytes()), ", weights ", MiBString(c.weights_bytes()),
+                     ", working memory ", MiBString(c.scratch_bytes), "), over the limit of ",
+                     over.limit, " per request"));
   }
   if (o.max_request_flops != 0 && c.flops > o.max_request_flops) {
     return OverLimitError(

@@ -5,13 +5,13 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "common/mib_string.h"
 #include "engine/engine.h"
 
 namespace attention::server {
 namespace {
 
-std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
+std::string MiB(int64_t bytes) { return MiBString(static_cast<double>(bytes)) + " MiB"; }
 
 }  // namespace
 
@@ -37,11 +37,12 @@ absl::StatusOr<MemoryBudget::Lease> MemoryBudget::Reserve(int64_t bytes) {
   {
     absl::MutexLock lock(&mu_);
     if (limit_ > 0 && bytes > limit_) {
+      const MiBPair over = MiBOverLimit(static_cast<double>(bytes), static_cast<double>(limit_));
       return OverLimitError(
           "memory_budget_mb",
-          absl::StrCat("memory: this call would hold ", MiB(bytes),
+          absl::StrCat("memory: this call would hold ", over.bytes,
                        " (request, working memory and answer), ",
-                       "more than the server's whole memory budget of ", MiB(limit_),
+                       "more than the server's whole memory budget of ", over.limit,
                        " (--memory_budget_mb); send a smaller request"));
     }
     if (limit_ > 0 && reserved_ + bytes > limit_) {

@@ -11,6 +11,7 @@
 
 #include "absl/types/span.h"
 #include "common/half.h"
+#include "common/mib_string.h"
 #include "engine/attention.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -321,6 +322,15 @@ TEST_F(EngineTest, EnforcesTheRequestMemoryAndComputeLimits) {
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("MiB per request")));
   EXPECT_EQ(RequestOverLimit((*no_memory)->Attend(args).status()), "max_request_mb");
+  // Rounded to 0.1 MiB, 8.04 MiB over 8 would read "8.0 over 8.0", and a
+  // 16 KB output "0": then the exact bytes, and three digits.
+  EXPECT_EQ(MiBString(16000), "0.0153");
+  EXPECT_EQ(MiBString(0), "0");
+  EXPECT_EQ(MiBString(1610612736), "1536.0");
+  const MiBPair close = MiBOverLimit(8430000, 8388608);
+  EXPECT_EQ(close.bytes, "8.0 MiB (8430000 bytes)");
+  EXPECT_EQ(close.limit, "8.0 MiB (8388608 bytes)");
+  EXPECT_EQ(MiBOverLimit(16 << 20, 8 << 20).bytes, "16.0 MiB");
   auto no_compute = Engine::Create(EngineOptions{.max_request_flops = 10});
   ASSERT_TRUE(no_compute.ok());
   EXPECT_THAT((*no_compute)->Attend(args),
