@@ -77,7 +77,7 @@ AttentionServiceImpl::AttentionServiceImpl(const Engine* engine, const ModelRepo
       sessions_({options.session_memory_bytes,
                  options.session_idle_seconds > 0 ? absl::Seconds(options.session_idle_seconds)
                                                   : absl::InfiniteDuration(),
-                 /*sweep_every=*/absl::Seconds(1)},
+                 /*sweep_every=*/absl::Seconds(1), SessionStore::kSessionBookkeepingBytes},
                 metrics) {}
 
 // A unary call's reactor: counts the call open from its start until gRPC is

@@ -376,7 +376,9 @@ std::string Metrics::RenderPrometheus() const {
   AppendSample("attention_sessions_open", "",
                absl::StrCat(sessions_open_.load(std::memory_order_relaxed)), &out);
   AppendHeader("attention_session_cache_bytes", "gauge",
-               "Bytes the open sessions' caches hold (--session_memory_mb caps them).", &out);
+               "Bytes the open sessions hold against --session_memory_mb: their caches' blocks, "
+               "and 1 KiB and the id of bookkeeping each.",
+               &out);
   AppendSample("attention_session_cache_bytes", "",
                absl::StrCat(session_cache_bytes_.load(std::memory_order_relaxed)), &out);
   AppendHeader("attention_session_pooled_bytes", "gauge",

@@ -237,12 +237,15 @@ void SessionStore::RemoveLocked(const std::string& id, const char* reason) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   bytes_ -= it->second.cache->bytes();
+  bookkeeping_ -= Bookkeeping(id);
   sessions_.erase(it);
   if (metrics_ != nullptr) metrics_->CountSessionEnded(reason);
 }
 
 void SessionStore::PublishLocked() {
-  if (metrics_ != nullptr) metrics_->SetSessions(static_cast<int64_t>(sessions_.size()), bytes_);
+  if (metrics_ != nullptr) {
+    metrics_->SetSessions(static_cast<int64_t>(sessions_.size()), HeldLocked());
+  }
 }
 
 bool SessionStore::IdleTooLong(const Session& s, absl::Time now) const {
@@ -329,6 +332,7 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
       s.last_used = now_();
       s.created_by_holder = true;
       sessions_.emplace(id, std::move(s));
+      bookkeeping_ += Bookkeeping(id);
     }
     caches.push_back(sessions_.at(id).cache.get());
   }
@@ -340,13 +344,13 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
 absl::Status SessionStore::Reserve(SessionRequest& request) {
   absl::MutexLock lock(&mu_);
   const int64_t growth = request.growth, cap = options_.memory_bytes;
-  if (bytes_ + reserved_ + growth > cap) {
+  if (HeldLocked() + reserved_ + growth > cap) {
     // What holds the cap: the request's own sessions, idle ones (which can
     // be evicted, least recently used first) and those other requests hold.
     int64_t own = 0;
     for (const std::string& id : request.ids) {
       auto it = sessions_.find(id);
-      if (it != sessions_.end()) own += it->second.cache->bytes();
+      if (it != sessions_.end()) own += it->second.cache->bytes() + Bookkeeping(id);
     }
     if (own + growth > cap) {
       const std::string held = own > 0 ? absl::StrCat(" more and its sessions hold ", Size(own)) : "";
@@ -362,23 +366,23 @@ absl::Status SessionStore::Reserve(SessionRequest& request) {
     for (const auto& [id, s] : sessions_) {
       if (!held_.contains(id)) {
         idle.emplace_back(s.last_used, id);
-        idle_bytes += s.cache->bytes();
+        idle_bytes += s.cache->bytes() + Bookkeeping(id);
       } else if (std::find(request.ids.begin(), request.ids.end(), id) == request.ids.end()) {
         ++busy;
       }
     }
-    if (bytes_ - idle_bytes + reserved_ + growth > cap) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "session caches: this request's rows need ", Size(growth), " more, and ",
-          Size(bytes_ + reserved_), " of the ", Size(cap),
-          " all sessions may hold (--session_memory_mb) are held: ",
-          Size(bytes_ - idle_bytes - own + reserved_), " by ", busy,
-          " sessions other requests are computing, which cannot be evicted, ", Size(own),
-          " by this request's, and ", Size(idle_bytes), " by ", idle.size(),
-          " idle ones; retry once those requests end, or close sessions"));
+    if (HeldLocked() - idle_bytes + reserved_ + growth > cap) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session caches: this request's rows need ", Size(growth), " more, and ",
+                       Size(HeldLocked() + reserved_), " of the ", Size(cap),
+                       " all sessions may hold (--session_memory_mb) are held: ",
+                       Size(HeldLocked() - idle_bytes - own + reserved_), " by ", busy,
+                       " sessions other requests are computing, which cannot be evicted, ",
+                       Size(own), " by this request's, and ", Size(idle_bytes), " by ", idle.size(),
+                       " idle ones; retry once those requests end, or close sessions"));
     }
     std::sort(idle.begin(), idle.end());
-    for (size_t i = 0; i < idle.size() && bytes_ + reserved_ + growth > cap; ++i) {
+    for (size_t i = 0; i < idle.size() && HeldLocked() + reserved_ + growth > cap; ++i) {
       RemoveLocked(idle[i].second, "evicted");
     }
   }

@@ -594,11 +594,12 @@ TEST(SessionLimitsTest, EvictionExpiryAndMemory) {
     r.mutable_session()->set_create(true);
     return r;
   };
-  // 256 KiB each (64 rows x (128 + 128) floats x 4 bytes x 4 blocks).
+  // 248 KiB each (64 rows x (124 + 124) floats x 4 bytes x 4 blocks), and
+  // 1 KiB and its id of bookkeeping: four fit in the MiB, five do not.
   for (int i = 0; i < 4; ++i) {
-    ASSERT_THAT(c.Attend(request(absl::StrCat("s", i), 256, 128)), IsOk());
+    ASSERT_THAT(c.Attend(request(absl::StrCat("s", i), 256, 124)), IsOk());
   }
-  ASSERT_THAT(c.Attend(request("s4", 256, 128)), IsOk());
+  ASSERT_THAT(c.Attend(request("s4", 256, 124)), IsOk());
   auto stub = v1::AttentionService::NewStub(c.channel());
   auto info = [&](const std::string& id) {
     grpc::ClientContext context;
@@ -612,7 +613,7 @@ TEST(SessionLimitsTest, EvictionExpiryAndMemory) {
   // The cache is full: a step on s4 (one more block) would evict s1, but
   // this one, whose mask the engine refuses for sessions, is refused first
   // and evicts nothing.
-  v1::AttendRequest top_left = request("s4", 1, 128);
+  v1::AttendRequest top_left = request("s4", 1, 124);
   top_left.mutable_session()->set_create(false);
   top_left.mutable_session()->set_positions(0, 256);
   top_left.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);

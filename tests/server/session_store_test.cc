@@ -11,8 +11,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/metrics.h"
 #include "tests/status_matchers.h"
 
 namespace attention::server {
@@ -275,6 +277,32 @@ TEST(SessionStoreTest, ARequestLargerThanTheLimitIsToldSo) {
                                  "sessions may hold (--session_memory_mb); send fewer rows")));
   store.Finish(big, false);
   EXPECT_THAT(store.Info("a"), IsOk());  // not evicted for nothing
+}
+
+// Many tiny sessions: each one's entry, cache object and id count against
+// the cap too, or 131072 one-block sessions held 2.7 times the cap.
+TEST(SessionStoreTest, EachSessionsBookkeepingCountsAgainstTheCap) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  const int64_t block = KvCache::kBlockRows * 8 * 4;  // 2 KiB
+  SessionStore::Options options{4 * block, absl::InfiniteDuration()};
+  options.bookkeeping_bytes = 512;
+  Metrics metrics;
+  SessionStore store(options, &metrics, [&] { return now; });
+  // Blocks only, four would fit; with 512 + 1 bytes each, three do.
+  CreateIdle(store, now, {"a", "b", "c"});
+  EXPECT_EQ(store.bytes(), 3 * block);  // blocks: GetSession's and the engine's view
+  EXPECT_THAT(metrics.RenderPrometheus(),
+              HasSubstr(absl::StrCat("\nattention_session_cache_bytes ", 3 * (block + 513), "\n")));
+  CreateIdle(store, now, {"d"});
+  EXPECT_THAT(store.Info("a"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("not open")));  // evicted for "d"
+  EXPECT_THAT(store.Info("b"), IsOk());
+  EXPECT_EQ(store.open(), 3);
+  std::vector<std::string> closed;
+  store.Close({"b", "c", "d"},
+              [&](std::vector<std::string> c, std::vector<std::string>) { closed = std::move(c); });
+  EXPECT_THAT(closed, ElementsAre("b", "c", "d"));
+  EXPECT_THAT(metrics.RenderPrometheus(), HasSubstr("\nattention_session_cache_bytes 0\n"));
 }
 
 TEST(SessionStoreTest, ClosingAnExpiredSessionFindsNothing) {
