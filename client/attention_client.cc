@@ -43,9 +43,10 @@ namespace {
 // gRPC caps a retry policy's maxAttempts at 5.
 constexpr int kMaxAttempts = 5;
 
-// The whole of `path`; INVALID_ARGUMENT naming `option` and the file when it
-// cannot be read or is empty (gRPC would take an empty CA list for the
-// system's roots, and an empty key for no client certificate).
+// The whole of `path`, a PEM file; INVALID_ARGUMENT naming `option` and the
+// file when it cannot be read, is empty (gRPC would take an empty CA list for
+// the system's roots, and an empty key for no client certificate) or is not
+// PEM.
 absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::string& path) {
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) {
@@ -64,6 +65,12 @@ absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::
   }
   if (contents.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(option, ": ", path, " is empty"));
+  }
+  // gRPC reports a file that is not PEM only as a failed connection
+  // ("empty address list"), naming no file.
+  if (contents.find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(option, ": ", path, " is not PEM (it has no -----BEGIN line)"));
   }
   return contents;
 }

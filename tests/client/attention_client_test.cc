@@ -68,7 +68,8 @@ TEST(AttentionClientCreateTest, RefusesATokenAHeaderCannotCarry) {
 TEST(AttentionClientCreateTest, RefusesTlsFilesThatAreDirectoriesOrEmpty) {
   const std::string dir = testing::MakeTempDir("tls_files");
   testing::WriteFile(dir + "/empty.pem", "");
-  testing::WriteFile(dir + "/cert.pem", "not checked here");
+  testing::WriteFile(dir + "/cert.pem", "-----BEGIN CERTIFICATE-----\nnot checked here\n");
+  testing::WriteFile(dir + "/hostname", "attention-0\n");
   ClientOptions options;
   options.tls_ca_file = dir;
   EXPECT_THAT(AttentionClient::Create(options),
@@ -78,6 +79,11 @@ TEST(AttentionClientCreateTest, RefusesTlsFilesThatAreDirectoriesOrEmpty) {
   EXPECT_THAT(AttentionClient::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("tls_ca_file: " + dir + "/empty.pem is empty")));
+  options.tls_ca_file = dir + "/hostname";
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tls_ca_file: " + dir +
+                                 "/hostname is not PEM (it has no -----BEGIN line)")));
   options.tls_ca_file.clear();
   options.tls_cert_file = dir + "/cert.pem";
   options.tls_key_file = dir;
