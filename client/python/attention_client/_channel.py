@@ -75,6 +75,13 @@ class Settings:
         self.target = target
         self.timeout = None
         self.timeout = self.call_timeout(timeout)
+        if token is not None and not isinstance(token, str):
+            raise invalid(f"token: {type(token).__name__} is not a str")
+        for i, ch in enumerate(token or ""):
+            if not " " <= ch <= "~":
+                raise invalid(f"token: character {i} of {len(token)} is {ch!r}; a token goes in "
+                              "a header, so it must be printable ASCII (a newline read from a "
+                              "file with it, too, must be removed)")
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         if isinstance(max_message_mb, bool) or not isinstance(max_message_mb, numbers.Integral) \
                 or not 0 < max_message_mb < 2048:

@@ -13,7 +13,8 @@ class Client:
     target such as "dns:///name:port"). Thread-safe; close() or a with block
     ends the channel.
 
-    token: sent as "authorization: Bearer <token>" on every call.
+    token: sent as "authorization: Bearer <token>" on every call (a str of
+        printable ASCII, as a header carries).
     tls_ca: the CA's PEM (a path or bytes) to verify the server with; TLS is
     used when it or tls_cert / tls_key (a client certificate, for mutual TLS)
     is set; tls_server_name overrides the name checked in its certificate.

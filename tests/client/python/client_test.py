@@ -170,7 +170,10 @@ class ErrorTest(unittest.TestCase):
             self.assertIn(text, e.exception.details())
         for kwargs, text in [({"target": 123}, "target: 123"),
                              ({"timeout": "x"}, "timeout: 'x'"),
-                             ({"max_message_mb": "x"}, "max_message_mb: 'x'")]:
+                             ({"max_message_mb": "x"}, "max_message_mb: 'x'"),
+                             ({"token": "ab\ncd"}, "token: character 2 of 5 is '\\n'"),
+                             ({"token": "s3cret\r"}, "token: character 6 of 7 is '\\r'"),
+                             ({"token": b"s3cret"}, "token: bytes is not a str")]:
             with self.subTest(**kwargs), self.assertRaises(AttentionError) as e:
                 attention_client.Client(**dict({"target": server.target}, **kwargs))
             self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
