@@ -76,7 +76,10 @@ int64_t NowNs() {
 // and where malloc's memory starts.
 class MemoryPool {
  public:
-  MemoryPool(size_t min_pooled, size_t cap) : min_pooled_(min_pooled), cap_(cap) {}
+  // exact: reuse only blocks of the size asked for; otherwise any that
+  // wastes at most half of itself.
+  MemoryPool(size_t min_pooled, size_t cap, bool exact)
+      : min_pooled_(min_pooled), cap_(cap), exact_(exact) {}
 
   void* Allocate(size_t bytes) {
     ReleaseIdleBlocks();
@@ -84,7 +87,7 @@ class MemoryPool {
       absl::MutexLock lock(&mu_);
       // The smallest free block that fits, if it wastes at most half of itself.
       auto it = free_blocks_.lower_bound(bytes);
-      if (it != free_blocks_.end() && it->first <= 2 * bytes) {
+      if (it != free_blocks_.end() && it->first <= (exact_ ? bytes : 2 * bytes)) {
         // Of that size, the block freed last: the others can then go unused
         // long enough to be freed, rather than all taking turns for good.
         it = std::prev(free_blocks_.upper_bound(it->first));
@@ -161,6 +164,7 @@ class MemoryPool {
   }
 
   const size_t min_pooled_, cap_;
+  const bool exact_;
   absl::Mutex mu_;
   std::multimap<size_t, Block> free_blocks_ ABSL_GUARDED_BY(mu_);
   size_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
@@ -171,12 +175,15 @@ class MemoryPool {
 };
 
 MemoryPool& OutputPool() {
-  static MemoryPool* pool = new MemoryPool(size_t{1} << 20, size_t{512} << 20);
+  static MemoryPool* pool = new MemoryPool(size_t{1} << 20, size_t{512} << 20, /*exact=*/false);
   return *pool;
 }
 
 MemoryPool& SessionBlockPool() {
-  static MemoryPool* pool = new MemoryPool(0, size_t{256} << 20);
+  // Exact sizes: a session counts its blocks' sizes against
+  // --session_memory_mb, and a larger block reused for a smaller one would
+  // hold up to twice what it counts, for as long as the session lives.
+  static MemoryPool* pool = new MemoryPool(0, size_t{256} << 20, /*exact=*/true);
   return *pool;
 }
 

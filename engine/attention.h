@@ -54,9 +54,10 @@ size_t PooledOutputBytes();
 std::chrono::nanoseconds SetOutputPoolIdleLimit(std::chrono::nanoseconds limit);
 
 // Memory for session cache blocks (engine/kv_cache.h), 64-byte aligned; null
-// when none can be had. Pooled likewise, blocks of any size, up to 256 MiB:
-// a session's blocks, freed when it closes, serve the next sessions' without
-// page faults. PooledSessionBlockBytes: what the pool keeps now (in the RSS).
+// when none can be had. Pooled likewise, up to 256 MiB, but reused only for
+// blocks of the same size: a session's blocks, freed when it closes, serve
+// the next sessions' of its shape without page faults.
+// PooledSessionBlockBytes: what the pool keeps now (in the RSS).
 void* AllocateSessionBlock(size_t bytes);
 void FreeSessionBlock(void* p);
 size_t PooledSessionBlockBytes();

@@ -515,6 +515,26 @@ TEST(OutputPoolTest, ABlockUnusedForTheIdleLimitIsFreedAtTheNextAllocation) {
   SetOutputPoolIdleLimit(previous);
 }
 
+// A session counts its blocks' sizes against --session_memory_mb: a freed
+// block serves only a block of its own size, never a smaller one it would
+// hold twice the counted bytes for.
+TEST(SessionBlockPoolTest, ReusesOnlyBlocksOfTheSizeAskedFor) {
+  constexpr size_t kBytes = 48 * 1024 + 64;
+  void* block = AllocateSessionBlock(kBytes);
+  ASSERT_NE(block, nullptr);
+  const size_t before = PooledSessionBlockBytes();
+  FreeSessionBlock(block);
+  ASSERT_EQ(PooledSessionBlockBytes(), before + kBytes);
+  void* smaller = AllocateSessionBlock(kBytes - 64);
+  EXPECT_NE(smaller, block);
+  EXPECT_EQ(PooledSessionBlockBytes(), before + kBytes);  // still pooled
+  void* same = AllocateSessionBlock(kBytes);
+  EXPECT_EQ(same, block);
+  EXPECT_EQ(PooledSessionBlockBytes(), before);
+  FreeSessionBlock(smaller);
+  FreeSessionBlock(same);
+}
+
 // Of several pooled blocks of one size, an allocation takes the one freed
 // last, so that the others can reach the idle limit under a steady trickle of
 // calls rather than all taking turns.
