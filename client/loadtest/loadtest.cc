@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -37,15 +39,35 @@ namespace {
 
 constexpr absl::Duration kDefaultDuration = absl::Seconds(10);
 
+// A flag's number as briefly as it reads back exactly: "1e+12", "100000001",
+// "nan" (absl::StrCat keeps 6 digits: 100000001 would read "1e+08").
+std::string NumberText(double value) {
+  char text[32];
+  const auto [end, error] = std::to_chars(text, text + sizeof text, value);
+  return error == std::errc() ? std::string(text, end) : absl::StrCat(value);
+}
+
 // The measured schedule the load options ask for.
 absl::StatusOr<Schedule> MakeSchedule(const LoadtestConfig& config) {
+  // --schedule's limits. First: a NaN rate compares false both ways, so it
+  // would pass below for no rate at all; an infinite or huge one would queue
+  // calls without end.
+  if (!std::isfinite(config.rate) || config.rate < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rate ", NumberText(config.rate), " is not a non-negative number"));
+  }
+  if (config.rate > static_cast<double>(kMaxRate)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rate ", NumberText(config.rate), " is above ", kMaxRate, "/s"));
+  }
+  if (config.concurrency < 0 || config.concurrency > kMaxConcurrency) {
+    return absl::InvalidArgumentError(absl::StrCat("--concurrency is a whole number from 0 to ",
+                                                   kMaxConcurrency, ", not ", config.concurrency));
+  }
   const int loads = (config.concurrency > 0 ? 1 : 0) + (config.rate > 0 ? 1 : 0) +
                     (config.schedule.empty() ? 0 : 1);
   if (loads > 1) {
     return absl::InvalidArgumentError("give one of --concurrency, --rate and --schedule");
-  }
-  if (config.concurrency < 0 || config.rate < 0) {
-    return absl::InvalidArgumentError("--concurrency and --rate must not be negative");
   }
   if (!config.schedule.empty()) {
     if (config.duration.has_value()) {
@@ -240,6 +262,8 @@ absl::Status CheckSessionFlags(const LoadtestConfig& config) {
   check(config.requests != 0, "--requests");
   check(config.warmup != absl::ZeroDuration(), "--warmup");
   check(config.transport == "h2", "--transport h2");
+  // Each decoder runs on a thread of its own.
+  check(config.threads != defaults.threads, "--threads");
   check(!config.request_file.empty(), "--request");
   check(!config.expected_file.empty(), "--expected");
   check(config.shape.batch != 1, "--batch");
@@ -257,6 +281,11 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
   if (config.prefill < 1 || config.steps < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--prefill is ", config.prefill, " and --steps ",
                                                    config.steps, "; want 1 or more and 0 or more"));
+  }
+  // The prefill is the query's length (--seq_len's, which BuildRequest names).
+  if (config.prefill > kMaxTensorElements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prefill is ", config.prefill, "; want 1 to ", kMaxTensorElements));
   }
   ShapeOptions shape = config.shape;
   ATTN_ASSIGN_OR_RETURN(shape.mask, ParseMaskKind(config.mask));
@@ -292,8 +321,8 @@ absl::Status PrepareSessions(const LoadtestConfig& config, Prepared* prepared) {
   // query's features for each (with a model: the projections').
   const v1::AttendRequest& step = options.step;
   if (step.key().shape_size() == 4) {
-    options.cache_row_bytes = CacheRowBytes(step.key().shape(1), step.key().shape(3),
-                                            step.value().shape(3), cache_dtype);
+    options.cache_row_bytes =
+        CacheRowBytes(step.key().shape(1), step.key().shape(3), step.value().shape(3), cache_dtype);
   } else {
     const int64_t embed_dim = step.query().shape(2);
     const int64_t heads = model_ptr != nullptr ? model_ptr->num_heads() : shape.heads;
@@ -370,20 +399,44 @@ absl::Status CheckOutputFolders(const LoadtestConfig& config) {
   return absl::OkStatus();
 }
 
-absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
+// The flags --sessions and the other loads both take, checked before
+// --sessions branches off.
+absl::Status CheckSharedFlags(const LoadtestConfig& config) {
   if (config.targets.empty()) return absl::InvalidArgumentError("no --target given");
   if (absl::Status token = client::CheckBearerToken(config.client.bearer_token); !token.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--token: ", token.message()));
   }
-  ATTN_RETURN_IF_ERROR(CheckOutputFolders(config));
-  ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
-  if (config.sessions != 0) return PrepareSessions(config, prepared);
-  ATTN_ASSIGN_OR_RETURN(Schedule schedule, MakeSchedule(config));
-  ATTN_ASSIGN_OR_RETURN(const Arrival arrival, ParseArrival(config.arrival));
   if (config.transport != "auto" && config.transport != "grpc" && config.transport != "h2") {
     return absl::InvalidArgumentError(
         absl::StrCat("--transport: \"", config.transport, "\" is not one of auto, grpc and h2"));
   }
+  if (config.connections < 1 || config.connections > kMaxConnections) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--connections is ", config.connections, "; want 1 to ", kMaxConnections));
+  }
+  if (config.threads < 1 || config.threads > kMaxThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads is ", config.threads, "; want 1 to ", kMaxThreads));
+  }
+  if (config.timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--timeout is ", absl::FormatDuration(config.timeout), "; want 0 (no deadline) or more"));
+  }
+  if (config.connect_timeout <= absl::ZeroDuration() ||
+      config.connect_timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--connect_timeout ",
+                                                   absl::FormatDuration(config.connect_timeout),
+                                                   " is not a positive, finite duration"));
+  }
+  return CheckOutputFolders(config);
+}
+
+absl::Status Prepare(const LoadtestConfig& config, Prepared* prepared) {
+  ATTN_RETURN_IF_ERROR(CheckSharedFlags(config));
+  ATTN_ASSIGN_OR_RETURN(prepared->thresholds, ParseThresholds(config.thresholds));
+  if (config.sessions != 0) return PrepareSessions(config, prepared);
+  ATTN_ASSIGN_OR_RETURN(Schedule schedule, MakeSchedule(config));
+  ATTN_ASSIGN_OR_RETURN(const Arrival arrival, ParseArrival(config.arrival));
   if (const std::vector<absl::string_view> flags = GrpcOnlyFlags(config);
       config.transport == "h2" && !flags.empty()) {
     return absl::InvalidArgumentError(

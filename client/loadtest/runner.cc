@@ -50,8 +50,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kMaxThreads = 64;
-constexpr int kMaxConnections = 1024;
 // The controller's cadence: concurrency changes, end of run, stream timeouts.
 constexpr auto kControlTick = std::chrono::milliseconds(10);
 constexpr int64_t kSweepEveryNs = 100'000'000;
@@ -1217,11 +1215,11 @@ absl::Status CheckOptions(const RunOptions& options) {
   if (options.targets.empty()) return absl::InvalidArgumentError("no target given");
   if (options.connections < 1 || options.connections > kMaxConnections) {
     return absl::InvalidArgumentError(
-        absl::StrCat("connections is ", options.connections, "; want 1 to ", kMaxConnections));
+        absl::StrCat("--connections is ", options.connections, "; want 1 to ", kMaxConnections));
   }
   if (options.threads < 1 || options.threads > kMaxThreads) {
     return absl::InvalidArgumentError(
-        absl::StrCat("threads is ", options.threads, "; want 1 to ", kMaxThreads));
+        absl::StrCat("--threads is ", options.threads, "; want 1 to ", kMaxThreads));
   }
   if (options.max_in_flight < 0 || options.max_requests < 0) {
     return absl::InvalidArgumentError("max_in_flight and max_requests must not be negative");

@@ -24,9 +24,9 @@ namespace attention::loadtest {
 
 // A snapshot for the live progress line.
 struct Progress {
-  absl::Duration elapsed;  // since the start, warm-up included
+  absl::Duration elapsed;   // since the start, warm-up included
   bool warming_up = false;  // the last interval was warm-up
-  double target = 0;  // the schedule's rate or concurrency now
+  double target = 0;        // the schedule's rate or concurrency now
   // Since the start, warm-up included.
   int64_t sent = 0;
   int64_t completed = 0;
@@ -38,9 +38,9 @@ struct Progress {
 
 // One progress interval of the measurement.
 struct TimelinePoint {
-  double t_s = 0;  // the interval's end, from the start of the measurement
+  double t_s = 0;     // the interval's end, from the start of the measurement
   double target = 0;  // the schedule's mean over the interval
-  int64_t sent = 0;  // in the interval
+  int64_t sent = 0;   // in the interval
   int64_t completed = 0;
   int64_t errors = 0;
   // Latency from the intended send time of the interval's answers.
@@ -52,6 +52,10 @@ struct TimelinePoint {
   int64_t steps = 0;
   double cache_bytes_read = 0;
 };
+
+// The most --connections to each target, and --threads, a run takes.
+inline constexpr int kMaxConnections = 1024;
+inline constexpr int kMaxThreads = 64;
 
 // How calls travel: gRPC's C++ client, or HTTP/2 through nghttp2
 // (h2_transport.h: plaintext unary calls to HOST:PORT targets, about a third

@@ -19,23 +19,19 @@
 namespace attention::loadtest {
 namespace {
 
-// More callers than this would each need their own call object and would
-// bury any server in overhead long before they measured it.
-constexpr double kMaxConcurrency = 1e6;
-constexpr double kMaxRate = 1e8;
-
 absl::StatusOr<double> ParseValue(absl::string_view text, LoadKind kind, absl::string_view phase) {
   double value;
   if (!absl::SimpleAtod(text, &value) || !std::isfinite(value) || value < 0) {
     return absl::InvalidArgumentError(absl::StrCat("schedule phase \"", phase, "\": \"", text,
                                                    "\" is not a non-negative number"));
   }
-  if (kind == LoadKind::kConcurrency && (value != std::floor(value) || value > kMaxConcurrency)) {
+  if (kind == LoadKind::kConcurrency &&
+      (value != std::floor(value) || value > static_cast<double>(kMaxConcurrency))) {
     return absl::InvalidArgumentError(absl::StrCat("schedule phase \"", phase,
                                                    "\": a concurrency is a whole number up to ",
                                                    kMaxConcurrency, ", not ", text));
   }
-  if (kind == LoadKind::kRate && value > kMaxRate) {
+  if (kind == LoadKind::kRate && value > static_cast<double>(kMaxRate)) {
     return absl::InvalidArgumentError(
         absl::StrCat("schedule phase \"", phase, "\": rate ", text, " is above ", kMaxRate, "/s"));
   }

@@ -22,6 +22,13 @@ enum class LoadKind {
   kRate,         // open loop: calls per second, sent on schedule whatever the answers do
 };
 
+// The largest load a schedule (or --concurrency, --rate) may ask for. More
+// callers than this would each need their own call object and would bury any
+// server in overhead long before they measured it; a faster rate could not be
+// sent, only queued without end.
+inline constexpr int64_t kMaxConcurrency = 1'000'000;
+inline constexpr int64_t kMaxRate = 100'000'000;  // calls/s
+
 // One phase: the value goes linearly from `from` to `to` over `length`
 // (from == to holds it). Rates are calls/s; concurrencies are rounded to the
 // nearest whole caller.

@@ -121,24 +121,25 @@ absl::StatusOr<Threshold> ParseThreshold(absl::string_view text) {
 }
 
 std::string ThresholdResult::Describe() const {
-  std::string measured;
+  if (!measured) return absl::StrCat(threshold.text, ": no measured call");
+  std::string value_text;
   switch (threshold.metric) {
     case Threshold::Metric::kErrorFraction:
-      measured = absl::StrFormat("errors are %.4g%%", value * 100);
+      value_text = absl::StrFormat("errors are %.4g%%", value * 100);
       break;
     case Threshold::Metric::kErrorCount:
-      measured = absl::StrFormat("errors are %.0f", value);
+      value_text = absl::StrFormat("errors are %.0f", value);
       break;
     case Threshold::Metric::kThroughput:
-      measured = absl::StrFormat("rps is %.1f (answered OK)", value);
+      value_text = absl::StrFormat("rps is %.1f (answered OK)", value);
       break;
     default:
-      measured = absl::StrCat(
+      value_text = absl::StrCat(
           absl::StripAsciiWhitespace(
               absl::string_view(threshold.text).substr(0, threshold.text.find_first_of("<>"))),
           " is ", FormatLatency(value));
   }
-  return absl::StrCat(threshold.text, ": ", measured);
+  return absl::StrCat(threshold.text, ": ", value_text);
 }
 
 std::vector<ThresholdResult> EvaluateThresholds(const std::vector<Threshold>& thresholds,
@@ -167,7 +168,12 @@ std::vector<ThresholdResult> EvaluateThresholds(const std::vector<Threshold>& th
         result.value = stats.ok_rps();
         break;
     }
-    result.passed = Holds(result.value, threshold.op, threshold.bound);
+    const bool latency = threshold.metric == Threshold::Metric::kLatencyQuantile ||
+                         threshold.metric == Threshold::Metric::kLatencyMax ||
+                         threshold.metric == Threshold::Metric::kLatencyMean;
+    // An empty histogram reads 0, which would pass any `<` gate.
+    result.measured = !latency || stats.latency.count() > 0;
+    result.passed = result.measured && Holds(result.value, threshold.op, threshold.bound);
     results.push_back(std::move(result));
   }
   return results;

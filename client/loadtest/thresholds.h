@@ -39,8 +39,12 @@ absl::StatusOr<Threshold> ParseThreshold(absl::string_view text);
 struct ThresholdResult {
   Threshold threshold;
   double value = 0;  // what the run measured, in the threshold's units
+  // False for a latency gate on a run that measured no call (every session's
+  // prefill failed, say): broken, since nothing showed the latency held.
+  bool measured = true;
   bool passed = false;
-  // "p99<20ms: p99 is 25.3ms", "errors<0.1%: errors are 0.02%".
+  // "p99<20ms: p99 is 25.3ms", "errors<0.1%: errors are 0.02%",
+  // "p99<20ms: no measured call".
   std::string Describe() const;
 };
 

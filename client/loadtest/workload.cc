@@ -25,23 +25,22 @@
 namespace attention::loadtest {
 namespace {
 
-// The server's default --max_tensor_elements; a larger tensor would only be
-// refused.
-constexpr double kMaxElements = double{1 << 28};
-
 // Uniform in [-1, 1) from the top 24 bits of one draw: the same numbers on
 // every platform, which std::uniform_real_distribution does not promise.
 float UniformFloat(std::mt19937_64& rng) {
   return static_cast<float>(rng() >> 40) * 0x1p-23f - 1.0f;
 }
 
-absl::StatusOr<v1::Tensor> RandomTensor(const std::vector<int64_t>& shape, v1::Tensor::DType dtype,
-                                        std::mt19937_64& rng) {
+// `name`: "query", "key" or "value", for the error.
+absl::StatusOr<v1::Tensor> RandomTensor(absl::string_view name, const std::vector<int64_t>& shape,
+                                        v1::Tensor::DType dtype, std::mt19937_64& rng) {
+  // In double: the dims' product may overflow int64_t before it is refused.
   double elements = 1;
   for (int64_t dim : shape) elements *= static_cast<double>(dim);
-  if (elements > kMaxElements) {
+  if (elements > static_cast<double>(kMaxTensorElements)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("shape ", ShapeString(shape), " has more than ", kMaxElements, " elements"));
+        absl::StrCat(name, " ", ShapeString(shape), " has more than ", kMaxTensorElements,
+                     " elements (the server's --max_tensor_elements)"));
   }
   std::vector<float> values(static_cast<size_t>(elements));
   for (float& value : values) value = UniformFloat(rng);
@@ -88,10 +87,11 @@ absl::Status AddMask(MaskKind kind, int64_t batch, int64_t query_len, int64_t ke
   return absl::InvalidArgumentError("unknown mask kind");
 }
 
-absl::Status CheckDim(absl::string_view name, int64_t value) {
-  if (value < 1 || static_cast<double>(value) > kMaxElements) {
+// `flag`: the command line's name for the dim.
+absl::Status CheckDim(absl::string_view flag, int64_t value) {
+  if (value < 1 || value > kMaxTensorElements) {
     return absl::InvalidArgumentError(
-        absl::StrCat(name, " is ", value, "; want 1 to ", kMaxElements));
+        absl::StrCat(flag, " is ", value, "; want 1 to ", kMaxTensorElements));
   }
   return absl::OkStatus();
 }
@@ -182,12 +182,12 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
   request.set_id("loadtest");
   if (!options.model.empty()) {
     if (options.kv_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv_heads ", options.kv_heads, " is for raw attention; model ", options.model,
-          " has its own heads"));
+      return absl::InvalidArgumentError(absl::StrCat("--kv_heads ", options.kv_heads,
+                                                     " is for raw attention; model ", options.model,
+                                                     " has its own heads"));
     }
     if (embed_dim != 0 && embed_dim != model->embed_dim()) {
-      return absl::InvalidArgumentError(absl::StrCat("embed_dim ", embed_dim, " is not model ",
+      return absl::InvalidArgumentError(absl::StrCat("--embed_dim ", embed_dim, " is not model ",
                                                      options.model, "'s embed_dim ",
                                                      model->embed_dim()));
     }
@@ -197,26 +197,26 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
     request.set_model(options.model);
   } else {
     if (embed_dim == 0) embed_dim = 64;
-    ATTN_RETURN_IF_ERROR(CheckDim("heads", options.heads));
+    ATTN_RETURN_IF_ERROR(CheckDim("--heads", options.heads));
     if (embed_dim % options.heads != 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("heads ", options.heads, " does not divide embed_dim ", embed_dim));
+          absl::StrCat("--heads ", options.heads, " does not divide --embed_dim ", embed_dim));
     }
     key_dim = value_dim = embed_dim;
     if (options.kv_heads == 0) {
       request.set_num_heads(static_cast<int32_t>(options.heads));
     } else {
-      ATTN_RETURN_IF_ERROR(CheckDim("kv_heads", options.kv_heads));
+      ATTN_RETURN_IF_ERROR(CheckDim("--kv_heads", options.kv_heads));
       if (options.heads % options.kv_heads != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "kv_heads ", options.kv_heads, " does not divide heads ", options.heads));
+        return absl::InvalidArgumentError(absl::StrCat("--kv_heads ", options.kv_heads,
+                                                       " does not divide --heads ", options.heads));
       }
     }
   }
-  ATTN_RETURN_IF_ERROR(CheckDim("batch", options.batch));
-  ATTN_RETURN_IF_ERROR(CheckDim("query length", options.query_len));
-  ATTN_RETURN_IF_ERROR(CheckDim("key length", key_len));
-  ATTN_RETURN_IF_ERROR(CheckDim("embed_dim", embed_dim));
+  ATTN_RETURN_IF_ERROR(CheckDim("--batch", options.batch));
+  ATTN_RETURN_IF_ERROR(CheckDim("--seq_len", options.query_len));
+  ATTN_RETURN_IF_ERROR(CheckDim("--kv_len", key_len));
+  ATTN_RETURN_IF_ERROR(CheckDim("--embed_dim", embed_dim));
 
   std::mt19937_64 rng(options.seed);
   const int64_t batch = options.batch;
@@ -228,9 +228,11 @@ absl::StatusOr<v1::AttendRequest> BuildRequest(const ShapeOptions& options,
     query_shape = {batch, options.heads, options.query_len, head_dim};
     key_shape = value_shape = {batch, options.kv_heads, key_len, head_dim};
   }
-  ATTN_ASSIGN_OR_RETURN(*request.mutable_query(), RandomTensor(query_shape, options.dtype, rng));
-  ATTN_ASSIGN_OR_RETURN(*request.mutable_key(), RandomTensor(key_shape, options.dtype, rng));
-  ATTN_ASSIGN_OR_RETURN(*request.mutable_value(), RandomTensor(value_shape, options.dtype, rng));
+  ATTN_ASSIGN_OR_RETURN(*request.mutable_query(),
+                        RandomTensor("query", query_shape, options.dtype, rng));
+  ATTN_ASSIGN_OR_RETURN(*request.mutable_key(), RandomTensor("key", key_shape, options.dtype, rng));
+  ATTN_ASSIGN_OR_RETURN(*request.mutable_value(),
+                        RandomTensor("value", value_shape, options.dtype, rng));
   ATTN_RETURN_IF_ERROR(
       AddMask(options.mask, batch, options.query_len, key_len, rng, request.mutable_mask()));
   request.set_need_weights(options.need_weights);

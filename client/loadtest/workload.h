@@ -35,6 +35,11 @@ absl::StatusOr<MaskKind> ParseMaskKind(absl::string_view name);
 // "float32", "bfloat16", "float16"; INVALID_ARGUMENT otherwise.
 absl::StatusOr<v1::Tensor::DType> ParseFloatDType(absl::string_view name);
 
+// The server's default --max_tensor_elements: the most elements a built
+// tensor may have, and so the most any one dim may be (a larger tensor would
+// only be refused).
+inline constexpr int64_t kMaxTensorElements = int64_t{1} << 28;
+
 struct ShapeOptions {
   // A registered model's name, or "" for raw attention.
   std::string model;

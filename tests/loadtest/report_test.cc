@@ -95,6 +95,28 @@ TEST(ThresholdTest, BrokenThresholdsSayWhichAndExitWithTwo) {
   EXPECT_EQ(ThresholdExitCode({}), kExitOk);
 }
 
+// A run that measured no call (every session's prefill failed) has an empty
+// histogram, whose 0 would pass any `<` gate: a latency gate breaks instead.
+TEST(ThresholdTest, LatencyGatesBreakWhenNoCallWasMeasured) {
+  std::vector<Threshold> thresholds;
+  for (const char* text : {"p99<20ms", "max<1ms", "mean<=1s", "p50>=0ns", "errors<5"}) {
+    thresholds.push_back(*ParseThreshold(text));
+  }
+  const std::vector<ThresholdResult> results = EvaluateThresholds(thresholds, LoadStats());
+  ASSERT_EQ(results.size(), 5u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_FALSE(results[i].passed) << results[i].Describe();
+    EXPECT_FALSE(results[i].measured) << results[i].Describe();
+  }
+  EXPECT_EQ(results[0].Describe(), "p99<20ms: no measured call");
+  EXPECT_EQ(results[1].Describe(), "max<1ms: no measured call");
+  EXPECT_TRUE(results[4].passed) << results[4].Describe();  // no call failed either
+  EXPECT_EQ(ThresholdExitCode(results), kExitThreshold);
+  Report report;
+  report.thresholds = results;
+  EXPECT_THAT(FormatSummary(report), HasSubstr("BROKEN: p99<20ms: no measured call"));
+}
+
 TEST(ReportTest, JsonHasTheKeysCiScriptsRead) {
   Report report;
   report.stats = KnownStats();
@@ -205,7 +227,7 @@ TEST(WorkloadTest, KvHeadsSendRank4WithGroupedQueryHeads) {
   options.kv_heads = 3;
   EXPECT_THAT(BuildRequest(options, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("kv_heads 3 does not divide heads 8")));
+                       HasSubstr("--kv_heads 3 does not divide --heads 8")));
   options.kv_heads = -1;
   EXPECT_THAT(BuildRequest(options, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("kv_heads")));

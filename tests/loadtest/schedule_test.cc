@@ -71,6 +71,9 @@ INSTANTIATE_TEST_SUITE_P(BadSchedules, ScheduleRejectsTest,
                                            BadInput{"rate:1@forever", "not a positive duration"},
                                            BadInput{"rate:1..2..3@1s", "a ramp is FROM..TO"},
                                            BadInput{"concurrency:1.5@1s", "a whole number"},
+                                           BadInput{"concurrency:2000000@1s",
+                                                    "a whole number up to 1000000, not 2000000"},
+                                           BadInput{"rate:1e9@1s", "rate 1e9 is above 100000000/s"},
                                            BadInput{"rate:0@1s,0..0@2s", "offers no load"}));
 
 TEST(ScheduleTest, WithLeadHoldsTheFirstValueFirst) {

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "client/loadtest/loadtest.h"
 #include "client/loadtest/report.h"
 #include "client/loadtest/thresholds.h"
@@ -317,6 +318,17 @@ TEST_F(SessionLoadtestTest, FlagsOfOtherLoadsAreRefused) {
            {[](LoadtestConfig& c) { c.session_dtype = "float16"; },
             "--session_dtype \"float16\" is not float32 or bfloat16"},
            {[](LoadtestConfig& c) { c.prefill = 0; }, "--prefill is 0"},
+           {[](LoadtestConfig& c) { c.prefill = 300'000'000; },
+            "--prefill is 300000000; want 1 to 268435456"},
+           // Each decoder runs on a thread of its own.
+           {[](LoadtestConfig& c) { c.threads = 4; }, "it does not take --threads\n"},
+           // The flags both kinds of run take are checked alike.
+           {[](LoadtestConfig& c) { c.transport = "bogus"; },
+            "--transport: \"bogus\" is not one of auto, grpc and h2"},
+           {[](LoadtestConfig& c) { c.timeout = absl::Seconds(-1); },
+            "--timeout is -1s; want 0 (no deadline) or more"},
+           {[](LoadtestConfig& c) { c.connections = 5000; },
+            "--connections is 5000; want 1 to 1024"},
        }) {
     config = Config();
     change(config);
@@ -325,6 +337,20 @@ TEST_F(SessionLoadtestTest, FlagsOfOtherLoadsAreRefused) {
     EXPECT_THAT(err2.str(), HasSubstr(message));
   }
   EXPECT_EQ(server_.attend_calls(), 0);
+}
+
+// The one prefill failed, so no step was measured: a latency gate cannot pass
+// on an empty histogram's 0.
+TEST_F(SessionLoadtestTest, LatencyGatesBreakWhenNoStepWasMeasured) {
+  server_.FailCall(1, grpc::StatusCode::RESOURCE_EXHAUSTED);
+  LoadtestConfig config = Config();
+  config.sessions = 1;
+  config.thresholds = {"p99<20ms", "max<1ms"};
+  std::ostringstream out, err;
+  EXPECT_EQ(RunLoadtest(config, out, err), kExitThreshold) << err.str() << out.str();
+  EXPECT_THAT(out.str(), AllOf(HasSubstr("0 of 4 answered in"),
+                               HasSubstr("threshold      BROKEN: p99<20ms: no measured call\n"),
+                               HasSubstr("threshold      BROKEN: max<1ms: no measured call\n")));
 }
 
 }  // namespace
