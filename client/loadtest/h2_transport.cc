@@ -196,6 +196,11 @@ struct Call {
   int local_code = 0;  // set when this side ends the call
   std::string local_message;
   int32_t stream_id = 0;
+  // Reported with local_code when this side ended it (EndNow), before its
+  // stream closed: a reset goes out only as fast as the socket takes it, and
+  // a server that stops reading would otherwise hold the call past its
+  // deadline, and the run with it.
+  bool reported = false;
 };
 
 }  // namespace
@@ -243,7 +248,12 @@ class H2Transport::Impl {
     absl::flat_hash_map<int32_t, Call*> calls;
     // (deadline, stream id) in send order; the calls' timeouts are all alike.
     std::deque<std::pair<int64_t, int32_t>> deadlines;
-    // Calls sent while the connection was not up, in order.
+    // Calls sent while the connection was not up, or while it had as many
+    // calls open as the server allows at once (its
+    // SETTINGS_MAX_CONCURRENT_STREAMS), in order: they wait here, as gRPC's
+    // client holds them, not in nghttp2's queue, where a call's reset before
+    // its HEADERS went out walks every call queued ahead of it (a tester
+    // far over the server's capacity queues hundreds of thousands).
     struct Waiting {
       int64_t deadline;  // 0: none
       H2CallInfo info;
@@ -286,10 +296,21 @@ class H2Transport::Impl {
     for (const std::unique_ptr<Conn>& conn : conns_) f(*conn);
     for (const std::unique_ptr<Conn>& conn : retiring_) f(*conn);
   }
+  // How many more calls the connection may open now: 0 unless it is up.
+  static size_t FreeStreams(const Conn& conn);
+  // Opens the call on a stream when the connection is up, nothing waits
+  // before it and a stream is free, else queues it in conn.waiting.
   // `deadline`: steady ns, 0 for now + the timeout.
   void Submit(Conn& conn, const H2CallInfo& info, int64_t deadline = 0);
+  // Opens the calls waiting at the front of conn.waiting while streams are free.
+  void StartWaiting(Conn& conn);
+  void StartCall(Conn& conn, const H2CallInfo& info, int64_t deadline);
   void Expire(Conn& conn, int64_t now);
   void CancelCalls(Conn& conn, const char* why);
+  // Reports a call this side ends (with its local_code when one is set
+  // already, else `code`) at once, before its stream closes; Finish then
+  // only frees it.
+  void EndNow(Call* call, int code, absl::string_view message);
   // Ends `call` (already off its stream) and reports it.
   void Finish(Conn& conn, Call* call, uint32_t reset_code);
   void Report(const H2CallInfo& info, int code, absl::string_view message,
@@ -494,6 +515,7 @@ int64_t H2Transport::Impl::WaitNs() const {
   }
   for (const std::unique_ptr<Conn>& conn : conns_) {
     if (!conn->deadlines.empty()) next = std::min(next, conn->deadlines.front().first);
+    if (!conn->waiting.empty() && FreeStreams(*conn) > 0) return 0;  // streams freed meanwhile
     if (!conn->waiting.empty() && conn->waiting.front().deadline > 0) {
       next = std::min(next, conn->waiting.front().deadline);
     }
@@ -560,11 +582,7 @@ void H2Transport::Impl::Loop() {
       Conn& c = *conn;
       if (c.state == State::kClosing && c.session != nullptr && !c.calls.empty()) Retire(c, now);
       Expire(c, now);
-      if (c.state == State::kUp && !c.waiting.empty()) {
-        std::deque<Conn::Waiting> waiting;
-        waiting.swap(c.waiting);
-        for (const Conn::Waiting& w : waiting) Submit(c, w.info, w.deadline);
-      }
+      StartWaiting(c);
       if (c.state == State::kDown && now >= c.retry_at_ns) Connect(c, now);
       if ((c.state == State::kConnecting || c.state == State::kHandshaking) &&
           now >= c.attempt_deadline_ns) {
@@ -586,7 +604,7 @@ void H2Transport::Impl::Loop() {
   }
   ForEachConn([this](Conn& conn) {
     for (const auto& [id, call] : std::exchange(conn.calls, {})) {
-      Report(call->info, grpc::StatusCode::CANCELLED, "the load test stopped");
+      if (!call->reported) Report(call->info, grpc::StatusCode::CANCELLED, "the load test stopped");
       delete call;
     }
   });
@@ -779,7 +797,7 @@ void H2Transport::Impl::Fail(Conn& conn, const std::string& why) {
   }
   const std::string message = absl::StrCat(conn.address.target, ": ", why);
   for (const auto& [id, call] : std::exchange(conn.calls, {})) {
-    Report(call->info, grpc::StatusCode::UNAVAILABLE, message);
+    if (!call->reported) Report(call->info, grpc::StatusCode::UNAVAILABLE, message);
     delete call;
   }
   // The calls waiting for this attempt fail with it; when a connection that
@@ -792,15 +810,38 @@ void H2Transport::Impl::Fail(Conn& conn, const std::string& why) {
   }
 }
 
+size_t H2Transport::Impl::FreeStreams(const Conn& conn) {
+  if (conn.state != State::kUp || conn.session == nullptr) return 0;
+  // The server's SETTINGS came before the connection was up; without a
+  // limit in them, nghttp2 says 2^32 - 1.
+  const uint32_t limit =
+      nghttp2_session_get_remote_settings(conn.session, NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS);
+  return limit > conn.calls.size() ? limit - conn.calls.size() : 0;
+}
+
 void H2Transport::Impl::Submit(Conn& conn, const H2CallInfo& info, int64_t deadline) {
   if (deadline == 0 && timeout_ns_ > 0) deadline = SteadyNs() + timeout_ns_;
-  if (conn.state != State::kUp) {
+  if (!conn.waiting.empty() || FreeStreams(conn) == 0) {
     // As gRPC's channel queues a call while it connects: the call waits for
     // the next connection attempt, and fails UNAVAILABLE if that fails. A
     // closed loop then fails once per attempt, instead of as fast as it can.
+    // On a connection that is up, the call waits for a stream.
     conn.waiting.push_back({deadline, info});
     return;
   }
+  StartCall(conn, info, deadline);
+}
+
+void H2Transport::Impl::StartWaiting(Conn& conn) {
+  for (size_t free = FreeStreams(conn); free > 0 && !conn.waiting.empty(); --free) {
+    const Conn::Waiting w = conn.waiting.front();
+    conn.waiting.pop_front();
+    StartCall(conn, w.info, w.deadline);
+    if (conn.state != State::kUp) break;  // its stream ids ran out
+  }
+}
+
+void H2Transport::Impl::StartCall(Conn& conn, const H2CallInfo& info, int64_t deadline) {
   auto* call = new Call;
   call->info = info;
   nghttp2_data_provider provider{};
@@ -826,29 +867,53 @@ void H2Transport::Impl::Submit(Conn& conn, const H2CallInfo& info, int64_t deadl
 }
 
 void H2Transport::Impl::Expire(Conn& conn, int64_t now) {
-  while (!conn.waiting.empty() && conn.waiting.front().deadline > 0 &&
-         conn.waiting.front().deadline <= now) {
-    const H2CallInfo info = conn.waiting.front().info;
-    conn.waiting.pop_front();
-    Report(info, grpc::StatusCode::DEADLINE_EXCEEDED,
-           absl::StrCat(conn.address.target, ": not connected within --timeout"));
+  if (!conn.waiting.empty() && conn.waiting.front().deadline > 0 &&
+      conn.waiting.front().deadline <= now) {
+    // On a connection that is up, the calls waited for a stream: every one
+    // the server allows was taken.
+    const std::string message =
+        conn.state == State::kUp
+            ? absl::StrCat(conn.address.target,
+                           ": no free stream within --timeout (the server allows ",
+                           nghttp2_session_get_remote_settings(
+                               conn.session, NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS),
+                           " at once)")
+            : absl::StrCat(conn.address.target, ": not connected within --timeout");
+    while (!conn.waiting.empty() && conn.waiting.front().deadline > 0 &&
+           conn.waiting.front().deadline <= now) {
+      const H2CallInfo info = conn.waiting.front().info;
+      conn.waiting.pop_front();
+      Report(info, grpc::StatusCode::DEADLINE_EXCEEDED, message);
+    }
   }
   if (conn.session == nullptr) return;
   while (!conn.deadlines.empty()) {
     const auto [deadline, id] = conn.deadlines.front();
     // Not nghttp2_session_get_stream_user_data: a call whose HEADERS are
-    // not out yet (just submitted, or held back by the server's stream
-    // limit) has no stream there. A reset cancels such a call before it is
+    // not out yet (just submitted, or held back by a stream limit the
+    // server lowered) has no stream there. A reset cancels such a call before it is
     // sent, and nghttp2 closes it all the same.
     const auto it = conn.calls.find(id);
     Call* call = it == conn.calls.end() ? nullptr : it->second;
     if (call != nullptr && deadline > now) break;
     conn.deadlines.pop_front();  // ended, or now past its deadline
-    if (call == nullptr || call->local_code != 0) continue;
-    call->local_code = grpc::StatusCode::DEADLINE_EXCEEDED;
-    call->local_message = "no answer within --timeout";
-    nghttp2_submit_rst_stream(conn.session, NGHTTP2_FLAG_NONE, id, NGHTTP2_CANCEL);
+    if (call == nullptr) continue;
+    // Reset already when it ended otherwise (an answer over the size limit).
+    if (call->local_code == 0) {
+      nghttp2_submit_rst_stream(conn.session, NGHTTP2_FLAG_NONE, id, NGHTTP2_CANCEL);
+    }
+    EndNow(call, grpc::StatusCode::DEADLINE_EXCEEDED, "no answer within --timeout");
   }
+}
+
+void H2Transport::Impl::EndNow(Call* call, int code, absl::string_view message) {
+  if (call->reported) return;
+  if (call->local_code == 0) {
+    call->local_code = code;
+    call->local_message = std::string(message);
+  }
+  call->reported = true;
+  Report(call->info, call->local_code, call->local_message);
 }
 
 void H2Transport::Impl::CancelCalls(Conn& conn, const char* why) {
@@ -856,11 +921,9 @@ void H2Transport::Impl::CancelCalls(Conn& conn, const char* why) {
   waiting.swap(conn.waiting);
   for (const Conn::Waiting& w : waiting) Report(w.info, grpc::StatusCode::CANCELLED, why);
   if (conn.session == nullptr) return;
-  for (const auto& [id, call] : conn.calls) {
-    if (call->local_code != 0) continue;
-    call->local_code = grpc::StatusCode::CANCELLED;
-    call->local_message = why;
-  }
+  // Reporting changes nothing in conn.calls (a send from done_ waits in
+  // local_pending_).
+  for (const auto& [id, call] : conn.calls) EndNow(call, grpc::StatusCode::CANCELLED, why);
   // Resets only queue frames: no call ends while this iterates.
   for (const auto& [id, call] : conn.calls) {
     nghttp2_submit_rst_stream(conn.session, NGHTTP2_FLAG_NONE, id, NGHTTP2_CANCEL);
@@ -874,6 +937,10 @@ void H2Transport::Impl::Report(const H2CallInfo& info, int code, absl::string_vi
 
 void H2Transport::Impl::Finish(Conn& conn, Call* call, uint32_t reset_code) {
   conn.calls.erase(call->stream_id);
+  if (call->reported) {
+    delete call;
+    return;
+  }
   int code;
   std::string message;
   absl::string_view response;

@@ -84,7 +84,10 @@ class H2Transport {
   // succeeds, UNAVAILABLE if it fails, DEADLINE_EXCEEDED if the call's
   // timeout comes first.
   bool Down(size_t i) const;
-  // Sends one call on connection `i`; `done` reports its end.
+  // Sends one call on connection `i`; `done` reports its end. A call beyond
+  // the server's limit on streams at once (SETTINGS_MAX_CONCURRENT_STREAMS)
+  // waits in the transport, in order, for a stream to end (as gRPC's client
+  // holds it): DEADLINE_EXCEEDED if its timeout comes first.
   void Send(size_t i, const H2CallInfo& info);
   // Ends every call sent and not yet answered: CANCELLED.
   void CancelAll();

@@ -4,7 +4,14 @@
 
 #include "client/loadtest/runner.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -53,6 +60,65 @@ class RunnerTransportTest : public ::testing::TestWithParam<Transport> {
     options.transport = GetParam();
     return options;
   }
+};
+
+// An HTTP/2 server that sends its SETTINGS, opens its flow-control windows
+// wide, then reads nothing, as a server too busy to read its sockets: what
+// the client writes after its first few kilobytes, resets included, stays
+// in the client's buffers. It closes the connection after `hold`, or when
+// destroyed.
+class SilentH2Server {
+ public:
+  explicit SilentH2Server(absl::Duration hold) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    // Accepted sockets inherit it: a small window fills at once.
+    const int small = 4096;
+    setsockopt(listen_fd_, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof addr;
+    if (bind(listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
+        listen(listen_fd_, 1) != 0 ||
+        getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+      ADD_FAILURE() << "cannot listen on 127.0.0.1";
+    }
+    address_ = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+    thread_ = std::thread([this, hold] { Serve(hold); });
+  }
+  ~SilentH2Server() {
+    stop_.Notify();
+    thread_.join();
+    close(listen_fd_);
+  }
+
+  std::string address() const { return address_; }
+
+ private:
+  void Serve(absl::Duration hold) {
+    pollfd ready{listen_fd_, POLLIN, 0};
+    while (!stop_.HasBeenNotified() && poll(&ready, 1, 10) == 0) {
+    }
+    if (stop_.HasBeenNotified()) return;
+    const int fd = accept(listen_fd_, nullptr, nullptr);
+    if (fd < 0) return;
+    // SETTINGS: INITIAL_WINDOW_SIZE 2^31 - 1; WINDOW_UPDATE of the
+    // connection's window to 2^31 - 1 (RFC 9113 sections 6.5 and 6.9).
+    const unsigned char frames[] = {
+        0, 0, 6, 0x4, 0, 0, 0, 0, 0, 0,    0x4,  0x7f, 0xff, 0xff, 0xff,  // SETTINGS
+        0, 0, 4, 0x8, 0, 0, 0, 0, 0, 0x7f, 0xff, 0,    0,                 // WINDOW_UPDATE
+    };
+    if (write(fd, frames, sizeof frames) != static_cast<ssize_t>(sizeof frames)) {
+      ADD_FAILURE() << "cannot write the server's preface";
+    }
+    stop_.WaitForNotificationWithTimeout(hold);
+    close(fd);
+  }
+
+  int listen_fd_ = -1;
+  std::string address_;
+  absl::Notification stop_;
+  std::thread thread_;
 };
 
 RunResult RunOk(const RunOptions& options, const v1::AttendRequest& request = SmallRequest()) {
@@ -318,8 +384,14 @@ TEST(RunnerTest, RejectsOptionsOutOfRange) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no target")));
   options.targets = {"127.0.0.1:1"};
   options.threads = 0;
+  EXPECT_THAT(
+      RunLoad(options, SmallRequest()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--threads is 0; want 1 to 64")));
+  options.threads = 1;
+  options.connections = 1025;
   EXPECT_THAT(RunLoad(options, SmallRequest()),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("threads")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--connections is 1025; want 1 to 1024")));
 }
 
 // A server that shuts down says GOAWAY: its calls in flight end, and the
@@ -383,6 +455,81 @@ TEST(RunnerTest, H2ReplacesAGoneAwayConnectionWhileItsCallsEnd) {
   }
   EXPECT_GT(late, 0);
   EXPECT_GE(4 * late, early) << early << " calls answered in the first half";
+}
+
+// Far more calls than the server takes at once: a server allowing one stream
+// at a time, whose calls hang, and 50000 callers, whose calls all wait for
+// that stream. They fail DEADLINE_EXCEEDED at their own deadlines, and the
+// run ends then. h2 once left them in nghttp2's queue, where each one's
+// reset walked the calls queued before it: expiring n calls at once took
+// n^2 / 2 steps, and an overloaded open loop stalled for minutes,
+// cancelling included.
+TEST(RunnerTest, H2CallsWaitingForAStreamEndAtTheirTimeout) {
+  FakeAttentionServer server(absl::ZeroDuration(), /*max_concurrent_streams=*/1);
+  RunOptions options = Options({&server});
+  options.transport = Transport::kH2;
+  options.client.timeout = absl::Milliseconds(300);
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 50'000, absl::Milliseconds(100));
+  const absl::Time start = absl::Now();
+  const LoadStats stats = RunOk(options, SmallRequest("hang")).stats;
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(stats.sent, 50'000);
+  EXPECT_EQ(stats.calls_by_code[4], stats.sent) << stats.first_error;  // DEADLINE_EXCEEDED
+  EXPECT_GE(stats.latency.min(), 300'000'000);
+  // At its deadline, give or take a loaded machine's delays (the stalled
+  // transport took seconds).
+  EXPECT_LT(stats.latency.max(), 800'000'000);
+  EXPECT_LT(took, absl::Seconds(5));
+}
+
+// Interrupted (a SIGINT) while 50000 calls wait for the one stream: every
+// call ends CANCELLED after the drain's grace, and the run returns (it
+// stalled as above, cancelling included, so that one SIGINT did nothing).
+TEST(RunnerTest, H2InterruptEndsTheCallsWaitingForAStream) {
+  FakeAttentionServer server(absl::ZeroDuration(), /*max_concurrent_streams=*/1);
+  RunOptions options = Options({&server});
+  options.transport = Transport::kH2;
+  options.client.timeout = absl::Seconds(60);
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 50'000, absl::Seconds(60));
+  options.progress_interval = absl::Milliseconds(100);
+  std::atomic<bool> interrupted{false};
+  options.interrupted = &interrupted;
+  options.on_progress = [&interrupted](const Progress& progress) {
+    if (progress.elapsed >= absl::Milliseconds(200)) interrupted.store(true);
+  };
+  const absl::Time start = absl::Now();
+  const LoadStats stats = RunOk(options, SmallRequest("hang")).stats;
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(stats.sent, 50'000);
+  EXPECT_EQ(stats.calls_by_code[1], stats.sent) << stats.first_error;  // CANCELLED
+  // 200 ms, a second's grace for the calls in flight, then the cancel.
+  EXPECT_LT(took, absl::Seconds(5));
+}
+
+// A call ends at its deadline even when its reset cannot go out: a server
+// that stopped reading leaves a 12 MB request (and the reset behind it)
+// in the client's buffers. h2 once reported a call only when its stream
+// closed, after the reset was written, so the run waited for the server
+// (here until it closed the connection: UNAVAILABLE, seconds late).
+TEST(RunnerTest, H2CallsEndAtTheirDeadlineWhenTheServerStopsReading) {
+  SilentH2Server server(/*hold=*/absl::Seconds(10));
+  RunOptions options;
+  options.targets = {server.address()};
+  options.connect_timeout = absl::Seconds(5);
+  options.transport = Transport::kH2;
+  options.client.timeout = absl::Milliseconds(300);
+  options.schedule = Schedule::Constant(LoadKind::kConcurrency, 1, absl::InfiniteDuration());
+  options.max_requests = 1;
+  ShapeOptions shape;
+  shape.query_len = 8192;
+  shape.embed_dim = 128;  // query, key and value of 4 MiB each
+  const absl::Time start = absl::Now();
+  const LoadStats stats = RunOk(options, *BuildRequest(shape, nullptr)).stats;
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(stats.calls_by_code[4], 1) << stats.first_error;  // DEADLINE_EXCEEDED
+  EXPECT_EQ(stats.first_error, "DEADLINE_EXCEEDED: no answer within --timeout");
+  EXPECT_LT(stats.latency.max(), 800'000'000);
+  EXPECT_LT(took, absl::Seconds(5));
 }
 
 TEST(RunnerTest, H2TakesPlaintextUnaryCallsOnly) {
