@@ -410,14 +410,7 @@ absl::Status CheckSharedFlags(const LoadtestConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("--transport: \"", config.transport, "\" is not one of auto, grpc and h2"));
   }
-  if (config.connections < 1 || config.connections > kMaxConnections) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--connections is ", config.connections, "; want 1 to ", kMaxConnections));
-  }
-  if (config.threads < 1 || config.threads > kMaxThreads) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--threads is ", config.threads, "; want 1 to ", kMaxThreads));
-  }
+  ATTN_RETURN_IF_ERROR(CheckConnectionsAndThreads(config.connections, config.threads));
   if (config.timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--timeout is ", absl::FormatDuration(config.timeout), "; want 0 (no deadline) or more"));

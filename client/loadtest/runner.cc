@@ -1213,14 +1213,7 @@ RunResult Runner::Run() {
 
 absl::Status CheckOptions(const RunOptions& options) {
   if (options.targets.empty()) return absl::InvalidArgumentError("no target given");
-  if (options.connections < 1 || options.connections > kMaxConnections) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--connections is ", options.connections, "; want 1 to ", kMaxConnections));
-  }
-  if (options.threads < 1 || options.threads > kMaxThreads) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--threads is ", options.threads, "; want 1 to ", kMaxThreads));
-  }
+  ATTN_RETURN_IF_ERROR(CheckConnectionsAndThreads(options.connections, options.threads));
   if (options.max_in_flight < 0 || options.max_requests < 0) {
     return absl::InvalidArgumentError("max_in_flight and max_requests must not be negative");
   }
@@ -1242,6 +1235,18 @@ absl::Status CheckOptions(const RunOptions& options) {
 }
 
 }  // namespace
+
+absl::Status CheckConnectionsAndThreads(int64_t connections, int64_t threads) {
+  if (connections < 1 || connections > kMaxConnections) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--connections is ", connections, "; want 1 to ", kMaxConnections));
+  }
+  if (threads < 1 || threads > kMaxThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads is ", threads, "; want 1 to ", kMaxThreads));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<RunResult> RunLoad(const RunOptions& options, const v1::AttendRequest& request) {
   ATTN_RETURN_IF_ERROR(CheckOptions(options));

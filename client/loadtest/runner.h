@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attention/v1/attention.pb.h"
@@ -56,6 +57,8 @@ struct TimelinePoint {
 // The most --connections to each target, and --threads, a run takes.
 inline constexpr int kMaxConnections = 1024;
 inline constexpr int kMaxThreads = 64;
+// INVALID_ARGUMENT naming --connections or --threads outside those ranges.
+absl::Status CheckConnectionsAndThreads(int64_t connections, int64_t threads);
 
 // How calls travel: gRPC's C++ client, or HTTP/2 through nghttp2
 // (h2_transport.h: plaintext unary calls to HOST:PORT targets, about a third

@@ -307,26 +307,12 @@ TEST(LoadtestTransportTest, AutoTakesH2WhereItCanCarryTheRun) {
   EXPECT_EQ(ResolveTransport(config, kMaxH2AutoRequestBytes + 1), "h2");
 }
 
-// --rate and --concurrency take --schedule's limits, and a rate that is not
-// a number is refused: NaN once ran as a closed loop of one caller, and an
-// infinite or huge rate queued calls without end.
-TEST(LoadtestFlagsTest, RateAndConcurrencyTakeTheSchedulesLimits) {
+// Each flag change, from a config that would run, is refused before any
+// call: exit 1 with exactly `error: <message>`.
+using FlagChange = std::pair<std::function<void(LoadtestConfig&)>, std::string>;
+void ExpectRefusedBeforeAnyCall(const std::vector<FlagChange>& cases) {
   FakeAttentionServer server;
-  for (const auto& [change, message] :
-       std::vector<std::pair<std::function<void(LoadtestConfig&)>, std::string>>{
-           {[](LoadtestConfig& c) { c.rate = std::nan(""); },
-            "--rate nan is not a non-negative number"},
-           {[](LoadtestConfig& c) { c.rate = std::numeric_limits<double>::infinity(); },
-            "--rate inf is not a non-negative number"},
-           {[](LoadtestConfig& c) { c.rate = -1; }, "--rate -1 is not a non-negative number"},
-           {[](LoadtestConfig& c) { c.rate = 1e12; }, "--rate 1e+12 is above 100000000/s"},
-           {[](LoadtestConfig& c) { c.rate = 100'000'001; },
-            "--rate 100000001 is above 100000000/s"},
-           {[](LoadtestConfig& c) { c.concurrency = 2'000'000; },
-            "--concurrency is a whole number from 0 to 1000000, not 2000000"},
-           {[](LoadtestConfig& c) { c.concurrency = -1; },
-            "--concurrency is a whole number from 0 to 1000000, not -1"},
-       }) {
+  for (const auto& [change, message] : cases) {
     LoadtestConfig config;
     config.targets = {server.address()};
     change(config);
@@ -337,39 +323,46 @@ TEST(LoadtestFlagsTest, RateAndConcurrencyTakeTheSchedulesLimits) {
   EXPECT_EQ(server.attend_calls(), 0);
 }
 
+// --rate and --concurrency take --schedule's limits, and a rate that is not
+// a number is refused: NaN once ran as a closed loop of one caller, and an
+// infinite or huge rate queued calls without end.
+TEST(LoadtestFlagsTest, RateAndConcurrencyTakeTheSchedulesLimits) {
+  ExpectRefusedBeforeAnyCall({
+      {[](LoadtestConfig& c) { c.rate = std::nan(""); }, "--rate nan is not a non-negative number"},
+      {[](LoadtestConfig& c) { c.rate = std::numeric_limits<double>::infinity(); },
+       "--rate inf is not a non-negative number"},
+      {[](LoadtestConfig& c) { c.rate = -1; }, "--rate -1 is not a non-negative number"},
+      {[](LoadtestConfig& c) { c.rate = 1e12; }, "--rate 1e+12 is above 100000000/s"},
+      {[](LoadtestConfig& c) { c.rate = 100'000'001; }, "--rate 100000001 is above 100000000/s"},
+      {[](LoadtestConfig& c) { c.concurrency = 2'000'000; },
+       "--concurrency is a whole number from 0 to 1000000, not 2000000"},
+      {[](LoadtestConfig& c) { c.concurrency = -1; },
+       "--concurrency is a whole number from 0 to 1000000, not -1"},
+  });
+}
+
 // The flags both kinds of run take (--sessions has its own cases in
 // sessions_test.cc), and the request's dims, name the flag and the exact
 // limit.
 TEST(LoadtestFlagsTest, OutOfRangeFlagsNameTheFlagAndTheLimit) {
-  FakeAttentionServer server;
-  for (const auto& [change, message] :
-       std::vector<std::pair<std::function<void(LoadtestConfig&)>, std::string>>{
-           {[](LoadtestConfig& c) { c.connections = 0; }, "--connections is 0; want 1 to 1024"},
-           {[](LoadtestConfig& c) { c.connections = 1025; },
-            "--connections is 1025; want 1 to 1024"},
-           {[](LoadtestConfig& c) { c.threads = 65; }, "--threads is 65; want 1 to 64"},
-           {[](LoadtestConfig& c) { c.timeout = absl::Milliseconds(-1); },
-            "--timeout is -1ms; want 0 (no deadline) or more"},
-           {[](LoadtestConfig& c) { c.connect_timeout = absl::ZeroDuration(); },
-            "--connect_timeout 0 is not a positive, finite duration"},
-           {[](LoadtestConfig& c) { c.shape.heads = 0; }, "--heads is 0; want 1 to 268435456"},
-           {[](LoadtestConfig& c) { c.shape.query_len = 300'000'000; },
-            "--seq_len is 300000000; want 1 to 268435456"},
-           {[](LoadtestConfig& c) {
-              c.shape.query_len = 100'000;
-              c.shape.embed_dim = 10'000;
-            },
-            "query [1, 100000, 10000] has more than 268435456 elements (the server's "
-            "--max_tensor_elements)"},
-       }) {
-    LoadtestConfig config;
-    config.targets = {server.address()};
-    change(config);
-    std::ostringstream out, err;
-    EXPECT_EQ(RunLoadtest(config, out, err), kExitSetup) << message;
-    EXPECT_EQ(err.str(), absl::StrCat("error: ", message, "\n"));
-  }
-  EXPECT_EQ(server.attend_calls(), 0);
+  ExpectRefusedBeforeAnyCall({
+      {[](LoadtestConfig& c) { c.connections = 0; }, "--connections is 0; want 1 to 1024"},
+      {[](LoadtestConfig& c) { c.connections = 1025; }, "--connections is 1025; want 1 to 1024"},
+      {[](LoadtestConfig& c) { c.threads = 65; }, "--threads is 65; want 1 to 64"},
+      {[](LoadtestConfig& c) { c.timeout = absl::Milliseconds(-1); },
+       "--timeout is -1ms; want 0 (no deadline) or more"},
+      {[](LoadtestConfig& c) { c.connect_timeout = absl::ZeroDuration(); },
+       "--connect_timeout 0 is not a positive, finite duration"},
+      {[](LoadtestConfig& c) { c.shape.heads = 0; }, "--heads is 0; want 1 to 268435456"},
+      {[](LoadtestConfig& c) { c.shape.query_len = 300'000'000; },
+       "--seq_len is 300000000; want 1 to 268435456"},
+      {[](LoadtestConfig& c) {
+         c.shape.query_len = 100'000;
+         c.shape.embed_dim = 10'000;
+       },
+       "query [1, 100000, 10000] has more than 268435456 elements (the server's "
+       "--max_tensor_elements)"},
+  });
 }
 
 // --- the binary -------------------------------------------------------------
