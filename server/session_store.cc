@@ -350,7 +350,7 @@ absl::Status SessionStore::Reserve(SessionRequest& request) {
     int64_t own = 0;
     for (const std::string& id : request.ids) {
       auto it = sessions_.find(id);
-      if (it != sessions_.end()) own += it->second.cache->bytes() + Bookkeeping(id);
+      if (it != sessions_.end()) own += HeldBy(id, it->second);
     }
     if (own + growth > cap) {
       const std::string held = own > 0 ? absl::StrCat(" more and its sessions hold ", Size(own)) : "";
@@ -366,7 +366,7 @@ absl::Status SessionStore::Reserve(SessionRequest& request) {
     for (const auto& [id, s] : sessions_) {
       if (!held_.contains(id)) {
         idle.emplace_back(s.last_used, id);
-        idle_bytes += s.cache->bytes() + Bookkeeping(id);
+        idle_bytes += HeldBy(id, s);
       } else if (std::find(request.ids.begin(), request.ids.end(), id) == request.ids.end()) {
         ++busy;
       }

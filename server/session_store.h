@@ -200,7 +200,12 @@ class SessionStore {
                ? 0
                : options_.bookkeeping_bytes + static_cast<int64_t>(id.size());
   }
-  // What counts against memory_bytes: the blocks and the bookkeeping.
+  // What one session counts against memory_bytes: its blocks and its
+  // bookkeeping.
+  int64_t HeldBy(const std::string& id, const Session& s) const {
+    return s.cache->bytes() + Bookkeeping(id);
+  }
+  // What all count against memory_bytes.
   int64_t HeldLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return bytes_ + bookkeeping_; }
   static absl::Status NotOpen(const std::string& id);
 
