@@ -171,8 +171,16 @@ std::vector<ThresholdResult> EvaluateThresholds(const std::vector<Threshold>& th
     const bool latency = threshold.metric == Threshold::Metric::kLatencyQuantile ||
                          threshold.metric == Threshold::Metric::kLatencyMax ||
                          threshold.metric == Threshold::Metric::kLatencyMean;
-    // An empty histogram reads 0, which would pass any `<` gate.
-    result.measured = !latency || stats.latency.count() > 0;
+    // An empty histogram reads 0, which would pass any `<` gate; so would
+    // the error fraction of no call (0 of 0). A count of errors is measured
+    // by a run of no call: none failed.
+    if (latency) {
+      result.measured = stats.latency.count() > 0;
+    } else if (threshold.metric == Threshold::Metric::kErrorFraction) {
+      result.measured = stats.requests() > 0;
+    } else {
+      result.measured = true;
+    }
     result.passed = result.measured && Holds(result.value, threshold.op, threshold.bound);
     results.push_back(std::move(result));
   }

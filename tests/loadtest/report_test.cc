@@ -96,21 +96,24 @@ TEST(ThresholdTest, BrokenThresholdsSayWhichAndExitWithTwo) {
 }
 
 // A run that measured no call (every session's prefill failed) has an empty
-// histogram, whose 0 would pass any `<` gate: a latency gate breaks instead.
-TEST(ThresholdTest, LatencyGatesBreakWhenNoCallWasMeasured) {
+// histogram, whose 0 would pass any `<` gate, and an error fraction of 0 of 0:
+// a latency or error-fraction gate breaks instead.
+TEST(ThresholdTest, LatencyAndErrorFractionGatesBreakWhenNoCallWasMeasured) {
   std::vector<Threshold> thresholds;
-  for (const char* text : {"p99<20ms", "max<1ms", "mean<=1s", "p50>=0ns", "errors<5"}) {
+  for (const char* text :
+       {"p99<20ms", "max<1ms", "mean<=1s", "p50>=0ns", "errors<0.1%", "errors<5"}) {
     thresholds.push_back(*ParseThreshold(text));
   }
   const std::vector<ThresholdResult> results = EvaluateThresholds(thresholds, LoadStats());
-  ASSERT_EQ(results.size(), 5u);
-  for (int i = 0; i < 4; ++i) {
+  ASSERT_EQ(results.size(), 6u);
+  for (int i = 0; i < 5; ++i) {
     EXPECT_FALSE(results[i].passed) << results[i].Describe();
     EXPECT_FALSE(results[i].measured) << results[i].Describe();
   }
   EXPECT_EQ(results[0].Describe(), "p99<20ms: no measured call");
   EXPECT_EQ(results[1].Describe(), "max<1ms: no measured call");
-  EXPECT_TRUE(results[4].passed) << results[4].Describe();  // no call failed either
+  EXPECT_EQ(results[4].Describe(), "errors<0.1%: no measured call");
+  EXPECT_TRUE(results[5].passed) << results[5].Describe();  // no call failed either
   EXPECT_EQ(ThresholdExitCode(results), kExitThreshold);
   Report report;
   report.thresholds = results;
