@@ -44,6 +44,11 @@ namespace {
 // connections close (a socket's send buffer holds up to a few MiB).
 constexpr absl::Duration kDrainPoll = absl::Milliseconds(1);
 constexpr absl::Duration kAnswerLinger = absl::Milliseconds(250);
+// Shutdown, once every call taken has answered: how long gRPC's goodbye
+// (GOAWAY, then a PING each connection must answer) may wait for callers
+// before their connections are closed. An idle Python channel answers only
+// when it next makes a call, which held the exit about 3 s.
+constexpr absl::Duration kCloseGrace = absl::Seconds(1);
 
 // Process-wide gRPC settings every server needs; done once, before any build.
 void InitGrpcOnce() {
@@ -350,9 +355,12 @@ void AttentionServer::Shutdown() {
   }
   const absl::Time quiet = std::min(service.last_call_end() + kAnswerLinger, deadline);
   if (absl::Now() < quiet) absl::SleepFor(quiet - absl::Now());
-  spdlog::info("drained: {} calls still open; closing connections", service.open_calls());
-  // Calls still open past the deadline are cancelled.
-  impl_->grpc_server->Shutdown(absl::ToChronoTime(deadline));
+  const int64_t open = service.open_calls();
+  spdlog::info("drained: {} calls still open; closing connections", open);
+  // Calls still open past the deadline are cancelled, and every connection
+  // then closed; with none open, connections get kCloseGrace to say goodbye.
+  const absl::Time close_by = open == 0 ? std::min(deadline, absl::Now() + kCloseGrace) : deadline;
+  impl_->grpc_server->Shutdown(absl::ToChronoTime(close_by));
 }
 
 void AttentionServer::EndShutdownDelay() {
