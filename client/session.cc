@@ -247,6 +247,12 @@ absl::StatusOr<v1::AttendResponse> Session::Step(v1::Tensor query, std::optional
   if (closed_) {
     return absl::FailedPreconditionError(absl::StrCat("session ", id(), " is closed"));
   }
+  if (taken_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id(),
+                     " is over: the server lost it, and another client has opened the id since; "
+                     "open a session of another id"));
+  }
   v1::AttendRequest request = options_.request;
   *request.mutable_query() = std::move(query);
   if (key.has_value()) *request.mutable_key() = *std::move(key);
@@ -376,7 +382,17 @@ absl::Status Session::CreateRefused(const std::string& step_id, int64_t rows,
     // that names none: by the count alone).
     const bool ours =
         info->has_last_step_id() ? info->last_step_id() == step_id : info->position() == rows;
-    if (!ours) return refused;  // another's session: the id is taken
+    if (!ours) {
+      // Another's session: the id is taken. A recreation's (this client's
+      // session lost since) ends this one.
+      if (!created_) return refused;
+      created_ = false;
+      taken_ = true;
+      return absl::Status(refused.code(),
+                          absl::StrCat(refused.message(),
+                                       "; the server had lost this client's session, and another "
+                                       "client has opened the id since: this session is over"));
+    }
     return absl::AbortedError(absl::StrCat(
         refused.message(), "; it holds this step's ", rows,
         " rows: an earlier attempt of the step, whose answer was lost, created it; send the "
@@ -552,6 +568,10 @@ absl::Status Session::Close() {
     // closed below either way.
     stream_->Close().IgnoreError();
     stream_.reset();
+  }
+  if (taken_) {
+    closed_ = true;
+    return absl::OkStatus();
   }
   // A first step whose outcome is unknown may have created it: closed only
   // if the server names that step, never another client's session of the id.

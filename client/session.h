@@ -100,8 +100,10 @@ class Session {
   // NOT_FOUND, such as a model not registered) after the first is retried once
   // as a recreation: one request with create whose key and value are every kept
   // row and then this step's, and whose query is this step's, so its answer is
-  // this step's answer (recreations() counts them). FAILED_PRECONDITION after
-  // Close.
+  // this step's answer (recreations() counts them); one refused ALREADY_EXISTS
+  // for another client's session (opened since the server lost this one) ends
+  // the session: open() turns false, and Close sends nothing. FAILED_PRECONDITION
+  // after Close or such an end.
   absl::StatusOr<v1::AttendResponse> Step(v1::Tensor query,
                                           std::optional<v1::Tensor> key = std::nullopt,
                                           std::optional<v1::Tensor> value = std::nullopt);
@@ -176,6 +178,9 @@ class Session {
   int64_t position_ = 0;
   bool created_ = false;
   bool closed_ = false;
+  // A recreation found the id another client's: the session is over, and
+  // never touches that one.
+  bool taken_ = false;
   int64_t recreations_ = 0;
   std::string replica_;
   std::unique_ptr<RowLog> keys_;

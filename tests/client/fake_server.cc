@@ -208,6 +208,12 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
                          absl::StrCat("injected end of the stream at call ", state_->attend_calls));
       }
       if (state_->attend_calls == state_->drop_call) state_->sessions.clear();
+      if (state_->attend_calls == state_->take_call) {
+        FakeSession& taken = state_->sessions[state_->take_id];
+        taken = FakeSession();
+        taken.position = state_->take_rows;
+        taken.last_step_id = "another client's";
+      }
       if (state_->attend_calls == state_->rewind_call) {
         for (auto& [id, session] : state_->sessions) {
           if (session.position <= state_->rewind_rows) continue;
@@ -500,6 +506,13 @@ void FakeAttentionServer::RewindSessionsAtCall(int64_t call, int64_t rows) {
   absl::MutexLock lock(&state_.mu);
   state_.rewind_call = call;
   state_.rewind_rows = rows;
+}
+
+void FakeAttentionServer::TakeSessionAtCall(int64_t call, std::string id, int64_t rows) {
+  absl::MutexLock lock(&state_.mu);
+  state_.take_call = call;
+  state_.take_id = std::move(id);
+  state_.take_rows = rows;
 }
 
 void FakeAttentionServer::FailCall(int64_t call, grpc::StatusCode code) {

@@ -122,6 +122,10 @@ class FakeAttentionServer {
   // first `rows` rows: a stale copy, as a replica keeps one while the
   // session lives elsewhere.
   void RewindSessionsAtCall(int64_t call, int64_t rows);
+  // Just before the call-th Attend call, another client creates session `id`
+  // with `rows` rows (step_id "another client's"), as one may between a
+  // client's NOT_FOUND and its recreation.
+  void TakeSessionAtCall(int64_t call, std::string id, int64_t rows);
 
  private:
   class AttentionImpl;
@@ -167,6 +171,9 @@ class FakeAttentionServer {
     int64_t drop_call ABSL_GUARDED_BY(mu) = 0;
     int64_t rewind_call ABSL_GUARDED_BY(mu) = 0;
     int64_t rewind_rows ABSL_GUARDED_BY(mu) = 0;
+    int64_t take_call ABSL_GUARDED_BY(mu) = 0;
+    std::string take_id ABSL_GUARDED_BY(mu);
+    int64_t take_rows ABSL_GUARDED_BY(mu) = 0;
   };
 
   State state_;

@@ -420,6 +420,27 @@ TEST_F(SessionTest, AFailedRecreationIsReturnedAndRetriedOnTheNextStep) {
   EXPECT_EQ(server_.session_keys("retried"), Concat({Rows(2, 4, 0), Rows(1, 4, 8)}));
 }
 
+// Another client opens the id between this one's NOT_FOUND and its
+// recreation: the recreation is ALREADY_EXISTS, and the session is the
+// other's from then on. This one neither steps on it nor closes it.
+TEST_F(SessionTest, ARecreationRefusedForAnotherClientsSessionLeavesItAlone) {
+  ForEachSessionKind("contested", [](FakeAttentionServer& server, Session& s) {
+    ASSERT_THAT(s.Step(Rows(2, 4, 0)), IsOk());
+    server.DropSessions();
+    // Call 2 is the step the server does not find, 3 its recreation.
+    server.TakeSessionAtCall(3, "contested", 5);
+    EXPECT_THAT(s.Step(Rows(1, 4, 8)),
+                StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("this session is over")));
+    EXPECT_FALSE(s.open());
+    EXPECT_THAT(s.Step(Rows(1, 4, 8)),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another client")));
+    ASSERT_THAT(s.Close(), IsOk());
+    EXPECT_EQ(server.open_sessions(), 1);
+    EXPECT_EQ(server.closed_sessions(), 0);
+    EXPECT_EQ(server.attend_calls(), 3);
+  });
+}
+
 TEST_F(SessionTest, KeptRowsOfAnotherShapeAreRefusedBeforeSending) {
   std::unique_ptr<Session> s = Open("shape", /*keep_rows=*/true);
   ASSERT_NE(s, nullptr);

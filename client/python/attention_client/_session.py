@@ -144,6 +144,9 @@ class SessionCore:
         self.position = 0
         self.created = False
         self.closed = False
+        # A recreation found the id another client's: the session is over,
+        # and never touches that one.
+        self.taken = False
         self.recreations = 0
         self.keys = _RowLog("key") if keep_rows else None
         self.values = _RowLog("value") if keep_rows else None
@@ -166,6 +169,11 @@ class SessionCore:
         its step_id: the server remembers it for resync)."""
         if self.closed:
             raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION, f"session {self.id} is closed")
+        if self.taken:
+            raise AttentionError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {self.id} is over: the server lost it, and another client has opened "
+                "the id since; open a session of another id")
         kind = _wire.kind_of(query)
         q = _wire.to_wire("query", query)
         k = None if key is None else _wire.to_wire("key", key)
@@ -309,7 +317,16 @@ class SessionCore:
             ours = (info.last_step_id == step[4] if info.HasField("last_step_id")
                     else int(info.position) == rows)
             if not ours:
-                return error  # another's session: the id is taken
+                # Another's session: the id is taken. A recreation's (this
+                # client's session lost since) ends this one.
+                if not self.created:
+                    return error
+                self.created = False
+                self.taken = True
+                return AttentionError(
+                    error.code(),
+                    f"{error.details()}; the server had lost this client's session, and another "
+                    "client has opened the id since: this session is over")
             return AttentionError(
                 grpc.StatusCode.ABORTED,
                 f"{error.details()}; it holds this step's {rows} rows: an earlier attempt of the "

@@ -543,6 +543,37 @@ class SessionTest(unittest.TestCase):
             self.assertIn('as its last step (step_id "other-writer") did', e.exception.details())
             c.close_sessions([s.id])
 
+    def test_a_recreation_refused_for_another_clients_session_leaves_it_alone(self):
+        # A's session is lost (closed here before A's 2nd call), and B opens
+        # the id before A's recreation (3rd call): the recreation is refused
+        # ALREADY_EXISTS, and A's session is over. A neither steps on B's
+        # session nor closes it. (A used to go on, and its close() closed B's.)
+        rows = randn(30, 1, 2, 6, 8)
+        with attention_client.Client(server.target, timeout=30) as c:
+            def around(n, send):
+                if n == 2:
+                    c.close_sessions(["py-contested"])
+                if n == 3:
+                    client.session("py-contested", causal="bottom_right").step(rows[:, :, :5])
+                return send()
+            sent = self.interpose(c, around)
+            a = c.session("py-contested", causal="bottom_right", keep_rows=True)
+            a.step(rows[:, :, :2])
+            with self.assertRaises(AttentionError) as e:
+                a.step(rows[:, :, 2:3])
+            self.assertEqual(e.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+            self.assertIn("this session is over", e.exception.details())
+            self.assertTrue(sent[2].session.create)
+            self.assertFalse(a.open)
+            with self.assertRaises(AttentionError) as e:
+                a.step(rows[:, :, 2:3])
+            self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("another client has opened the id", e.exception.details())
+            a.close()
+            self.assertEqual(len(sent), 3)
+        self.assertEqual(client.get_session("py-contested").position, 5)
+        client.close_sessions(["py-contested"])
+
     def test_a_session_another_client_opened_is_never_taken_over(self):
         # Client A's session is open when B's first step of the same id fails
         # with its outcome unknown (here before it is sent): B's close() does
