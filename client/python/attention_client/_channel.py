@@ -51,6 +51,9 @@ def _read(option, value):
 
 
 AFFINITY_HEADER = "attention-affinity"
+# The longest timeout, in seconds (about 31 years): grpcio takes one over
+# about 7.4e9 s for a deadline already past.
+MAX_TIMEOUT_S = 1e9
 
 
 def affinity_header_value(key):
@@ -120,12 +123,15 @@ class Settings:
         return (self.metadata or ()) + ((AFFINITY_HEADER, affinity_header_value(affinity)),)
 
     def call_timeout(self, timeout):
-        """The deadline of one call: its own timeout, or the client's."""
+        """The deadline of one call: its own timeout, or the client's. Longer
+        than MAX_TIMEOUT_S (inf among them) gRPC takes as past already."""
         if timeout is ...:
             return self.timeout
         if timeout is not None and (isinstance(timeout, (bool, str, bytes)) or
-                                    not isinstance(timeout, numbers.Real) or not timeout > 0):
-            raise invalid(f"timeout: {timeout!r} is not a positive number of seconds or None")
+                                    not isinstance(timeout, numbers.Real) or
+                                    not 0 < timeout <= MAX_TIMEOUT_S):
+            raise invalid(f"timeout: {timeout!r} is not a positive number of seconds up to "
+                          f"{MAX_TIMEOUT_S:.0e}, or None (no deadline)")
         return timeout
 
 

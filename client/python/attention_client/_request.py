@@ -3,6 +3,8 @@ import numbers
 import operator
 import sys
 
+import numpy as np
+
 from attention_client import _wire
 from attention_client._errors import AttentionError, invalid
 from attention_client._proto.attention.v1 import attention_pb2, tensor_pb2
@@ -93,6 +95,14 @@ def _string(value):
     return value
 
 
+def _bool(name, value):
+    """A bool field's value: True or False (numpy's too); anything else, a
+    string such as "false" among them, is INVALID_ARGUMENT naming `name`."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise invalid(f"{name}: {value!r} is not a bool (True or False)")
+
+
 def _float(value):
     if isinstance(value, (str, bytes)):
         raise TypeError
@@ -128,8 +138,8 @@ def _head(fields, session, tensors):
         tensor(name, get(name))
     if get("causal") is not None:
         request.mask.causal = _enum("causal", Mask.Causal, get("causal"))
-    request.need_weights = bool(get("need_weights", False))
-    request.average_weights = bool(get("average_weights", False))
+    request.need_weights = _bool("need_weights", get("need_weights", False))
+    request.average_weights = _bool("average_weights", get("average_weights", False))
     if get("output_dtype") is not None:
         request.output_dtype = dtype_enum("output_dtype", get("output_dtype"))
     if get("precision") is not None:

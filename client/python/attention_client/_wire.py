@@ -83,7 +83,7 @@ class WireTensor:
 def _numpy_wire(name, array):
     dtype = _NUMPY_DTYPES.get(array.dtype)  # a wire dtype in this machine's order
     if dtype is None:
-        if array.dtype == np.float64:
+        if array.dtype.newbyteorder("=") == np.float64:
             array = array.astype(np.float32)
         dtype = _NUMPY_DTYPES.get(array.dtype.newbyteorder("="))
         if dtype is None:

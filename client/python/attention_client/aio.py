@@ -41,9 +41,14 @@ class Client:
         self._health = self._channel.unary_unary(_channel.HEALTH_CHECK)
         self._stub = service_pb2_grpc.AttentionServiceStub(self._channel)
         self._closed = False
+        # Streams open now: closing the channel does not end one whose read
+        # waits inside another coroutine (a session step's), so close() does.
+        self._streams = set()
 
     async def close(self):
         self._closed = True
+        for call in list(self._streams):
+            call.cancel()
         await self._channel.close()
 
     async def __aenter__(self):
@@ -60,6 +65,20 @@ class Client:
                                 metadata=self._settings.call_metadata(affinity))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        except asyncio.CancelledError:
+            self._raise_if_closed_during_call()
+            raise
+
+    def _raise_if_closed_during_call(self):
+        """In an `except asyncio.CancelledError`: close() cancels the calls in
+        flight, which grpc.aio raises as CancelledError in tasks no one
+        cancelled; those get AttentionError CANCELLED, as the blocking client's
+        calls do. A cancellation of the caller's own task stays one."""
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11
+        if self._closed and cancelling is not None and cancelling() == 0:
+            raise AttentionError(grpc.StatusCode.CANCELLED,
+                                 "the client was closed during the call") from None
 
     async def attend(self, query, key=None, value=None, *, timeout=..., **fields):
         """As attention_client.Client.attend."""
@@ -75,6 +94,7 @@ class Client:
         call = self._attend_stream(encoded.__aiter__(),
                                    timeout=self._settings.call_timeout(timeout),
                                    metadata=self._settings.metadata)
+        self._streams.add(call)
         try:
             async for raw in call:
                 yield _wire.decode_stream(raw, encoded.kinds)
@@ -82,8 +102,12 @@ class Client:
             if encoded.error is not None:
                 raise encoded.error from None
             raise from_rpc_error(e) from None
+        except asyncio.CancelledError:
+            self._raise_if_closed_during_call()
+            raise
         finally:
             call.cancel()
+            self._streams.discard(call)
         if encoded.error is not None:
             raise encoded.error
 
@@ -174,8 +198,10 @@ class _StepStream:
             try:
                 return await self._exchange(request, deadline, timeout)
             except _Unanswered as e:
-                if (not e.resend or attempt == _channel.RETRY_ATTEMPTS or
-                        self._client._closed):
+                if self._client._closed:
+                    raise AttentionError(grpc.StatusCode.CANCELLED,
+                                         "the client was closed during the call") from None
+                if not e.resend or attempt == _channel.RETRY_ATTEMPTS:
                     raise e.error from None
             pause = random.uniform(0, backoff)
             if deadline is not None:
@@ -197,6 +223,7 @@ class _StepStream:
                 "on streams that ended unanswered took it all)")
         if self._call is None:
             self._call = self._client._attend_stream(metadata=self._metadata)
+            self._client._streams.add(self._call)
             self.opened += 1
         call = self._call
 
@@ -216,6 +243,7 @@ class _StepStream:
             raise self._ended(call, from_rpc_error(e)) from None
         except asyncio.CancelledError:  # the caller's task: the answer may still come
             self.cancel()
+            self._client._raise_if_closed_during_call()
             raise
         except asyncio.InvalidStateError:  # written after the stream ended
             answer = grpc.aio.EOF
@@ -240,6 +268,7 @@ class _StepStream:
         call, self._call = self._call, None
         if call is None:
             return
+        self._client._streams.discard(call)
         try:
             await asyncio.wait_for(call.done_writing(), timeout)
             await asyncio.wait_for(call.code(), timeout)
@@ -251,6 +280,7 @@ class _StepStream:
     def cancel(self):
         if self._call is not None:
             self._call.cancel()
+            self._client._streams.discard(self._call)
             self._call = None
 
 

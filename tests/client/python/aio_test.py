@@ -380,6 +380,34 @@ class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
     def positions(self):
         return [[r.session.positions[0] for r in seen] for _, seen in self.streams]
 
+    async def test_steps_in_flight_when_the_client_closes_are_cancelled_errors(self):
+        # grpc.aio raised its asyncio.CancelledError in the callers' tasks,
+        # which no one had cancelled, so they ended cancelled; the blocking
+        # client's calls get an AttentionError, and so do these now. A task
+        # its caller cancelled still ends cancelled.
+        self.behave = lambda stream, message: (
+            "late" if stream == 0 else "hang" if message == 2 else "answer")
+        await self.session.step(randn(80, 1, 3, 4))
+        unary = [self.client.session(f"unary-{i}", num_heads=1) for i in range(2)]
+        tasks = [asyncio.create_task(self.session.step(randn(81, 1, 1, 4)))]
+        for s in unary:
+            self.late_applied.clear()
+            tasks.append(asyncio.create_task(s.step(randn(82, 1, 2, 4))))
+            await asyncio.wait_for(self.late_applied.wait(), 10)
+        while len(self.streams[0][1]) < 2:  # the stream's 2nd message, hanging
+            await asyncio.sleep(0.01)
+        tasks[-1].cancel()
+        await self.client.close()
+        for task in tasks[:-1]:
+            with self.assertRaises(attention_client.AttentionError) as e:
+                await task
+            self.assertEqual(e.exception.code(), grpc.StatusCode.CANCELLED)
+            self.assertIn("the client was closed during the call", e.exception.details())
+            self.assertFalse(task.cancelled())
+        with self.assertRaises(asyncio.CancelledError):
+            await tasks[-1]
+        self.assertTrue(tasks[-1].cancelled())
+
     async def test_a_stream_ended_unanswered_is_reopened_and_the_step_sent_again(self):
         self.behave = lambda stream, message: "end" if (stream, message) == (1, 2) else "answer"
         await self.session.step(randn(80, 1, 3, 4))

@@ -163,13 +163,21 @@ class ErrorTest(unittest.TestCase):
                              ({"scale": "x"}, "scale: 'x' is not a number"),
                              ({"dropout_p": "x"}, "dropout_p: 'x' is not a number"),
                              ({"model": 123}, "model: 123 is not a model name"),
-                             ({"timeout": "x"}, "timeout: 'x' is not a positive number")]:
+                             ({"timeout": "x"}, "timeout: 'x' is not a positive number"),
+                             # gRPC took these for deadlines already past
+                             ({"timeout": float("inf")}, "timeout: inf is not a positive number"),
+                             ({"timeout": 1e10}, "up to 1e+09, or None"),
+                             # bool("false") is True: these were sent as True
+                             ({"need_weights": "false"}, "need_weights: 'false' is not a bool"),
+                             ({"average_weights": "no"}, "average_weights: 'no' is not a bool"),
+                             ({"need_weights": np.array([1, 0])}, "need_weights: array([1, 0])")]:
             with self.subTest(**kwargs), self.assertRaises(AttentionError) as e:
                 client.attend(q, **kwargs)
             self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
             self.assertIn(text, e.exception.details())
         for kwargs, text in [({"target": 123}, "target: 123"),
                              ({"timeout": "x"}, "timeout: 'x'"),
+                             ({"timeout": float("inf")}, "timeout: inf"),
                              ({"max_message_mb": "x"}, "max_message_mb: 'x'"),
                              ({"token": "ab\ncd"}, "token: character 2 of 5 is '\\n'"),
                              ({"token": "s3cret\r"}, "token: character 6 of 7 is '\\r'"),
@@ -178,6 +186,12 @@ class ErrorTest(unittest.TestCase):
                 attention_client.Client(**dict({"target": server.target}, **kwargs))
             self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
             self.assertIn(text, e.exception.details())
+
+    def test_the_longest_timeout_and_numpy_bools_are_taken(self):
+        q = randn(8, 1, 2, 4)
+        answer = client.attend(q, timeout=1e9, need_weights=np.bool_(True),
+                               average_weights=np.bool_(False))
+        self.assertEqual(answer.weights.shape, (1, 1, 2, 2))
 
     def test_calls_after_close_are_failed_precondition(self):
         closed = attention_client.Client(server.target)

@@ -71,6 +71,7 @@ class WireTest(unittest.TestCase):
         for x, dtype, data in [
             (np.array([1.5, -2.0]), Tensor.FLOAT32, np.array([1.5, -2.0], "<f4").tobytes()),
             (np.array([1.5, -2.0], ">f4"), Tensor.FLOAT32, np.array([1.5, -2.0], "<f4").tobytes()),
+            (np.array([1.5, -2.0], ">f8"), Tensor.FLOAT32, np.array([1.5, -2.0], "<f4").tobytes()),
             (np.array([7, -1], ">i8"), Tensor.INT64, np.array([7, -1], "<i8").tobytes()),
             (np.array([0.5], ">f2"), Tensor.FLOAT16, np.array([0.5], "<f2").tobytes()),
         ]:
