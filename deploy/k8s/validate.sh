@@ -85,6 +85,8 @@ expect_invalid delay_past_grace 's/^        - --drain_seconds=20$/&\n        - -
 expect_invalid memory_limit_short 's/memory: 4Gi/memory: 3Gi/' \
   "is below --memory_budget_mb + --session_memory_mb + 1536 MiB = 4096 MiB"
 expect_invalid memory_request_low '/requests:/,/memory:/s/memory: 4Gi/memory: 1Gi/' "memory request 1Gi differs from the limit 4Gi"
+expect_invalid replicas_beside_hpa 's/^  revisionHistoryLimit: 5$/  replicas: 3\n&/' \
+  "replicas 3 is set, but HorizontalPodAutoscaler/attention-server scales it"
 expect_invalid scraped_twice 's/^      labels:$/      annotations: {prometheus.io\/scrape: "true"}\n&/' \
   "pod annotation prometheus.io/scrape"
 expect_invalid ring_size_as_word 's/minimumRingSize: 4096/minimumRingSize: many/' \

@@ -166,8 +166,12 @@ for (const p of ofKind("PodDisruptionBudget")) {
 }
 for (const h of ofKind("HorizontalPodAutoscaler")) {
   const target = h.spec?.scaleTargetRef;
-  if (!deployments.some((d) => target?.kind === "Deployment" && d.metadata?.name === target?.name)) {
+  const scaled = deployments.find((d) => target?.kind === "Deployment" && d.metadata?.name === target?.name);
+  if (!scaled) {
     problems.push(`${nameOf(h)}: scaleTargetRef ${target?.kind}/${target?.name} is not in the manifests`);
+  } else if (scaled.spec?.replicas !== undefined) {
+    // Every apply would scale it back to that count, past the autoscaler.
+    problems.push(`${nameOf(scaled)}: replicas ${scaled.spec.replicas} is set, but ${nameOf(h)} scales it; leave replicas out`);
   }
 }
 
