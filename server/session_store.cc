@@ -263,10 +263,27 @@ void SessionStore::ExpireLocked() {
   }
 }
 
+void SessionStore::ExpireBeforeUseLocked(const std::vector<std::string>& ids, bool held_by_caller) {
+  if (!sweeper_.joinable()) {
+    ExpireLocked();
+    if (!held_by_caller) return;
+  }
+  if (!Expires(options_.idle_limit)) return;
+  const absl::Time now = now_();
+  for (const std::string& id : ids) {
+    auto it = sessions_.find(id);
+    if (it == sessions_.end() || !IdleTooLong(it->second, now)) continue;
+    if (!held_by_caller && held_.contains(id)) continue;  // another request's, in use
+    RemoveLocked(id, "expired");
+  }
+}
+
 absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& request,
                                                           const SessionKind& kind) {
   absl::MutexLock lock(&mu_);
-  ExpireLocked();
+  // Its own sessions expired too: a step found one idle past the limit and
+  // revived it, while GetSession and CloseSessions called it gone.
+  ExpireBeforeUseLocked(request.ids, /*held_by_caller=*/true);
   const size_t n = request.ids.size();
   // Checks first: on any error nothing has changed.
   int64_t growth = 0;
@@ -344,6 +361,9 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
 absl::Status SessionStore::Reserve(SessionRequest& request) {
   absl::MutexLock lock(&mu_);
   const int64_t growth = request.growth, cap = options_.memory_bytes;
+  // Sessions past the idle limit the sweeper has not ended yet go first, as
+  // expired rather than evicted.
+  if (HeldLocked() + reserved_ + growth > cap) ExpireLocked();
   if (HeldLocked() + reserved_ + growth > cap) {
     // What holds the cap: the request's own sessions, idle ones (which can
     // be evicted, least recently used first) and those other requests hold.
@@ -450,11 +470,8 @@ void SessionStore::Close(
       absl::MutexLock lock(&mu_);
       // It holds its ids: those expired are ended here, and not found, as
       // elsewhere.
-      ExpireLocked();
-      const absl::Time now = now_();
+      ExpireBeforeUseLocked(*shared, /*held_by_caller=*/true);
       for (const std::string& id : *shared) {
-        auto it = sessions_.find(id);
-        if (it != sessions_.end() && IdleTooLong(it->second, now)) RemoveLocked(id, "expired");
         if (sessions_.contains(id)) {
           RemoveLocked(id, "closed");
           closed.push_back(id);
@@ -477,7 +494,7 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Info(const std::string& id) {
         absl::StrCat("id: ", id.size(), " bytes; an id has 1 to ", kMaxIdBytes));
   }
   absl::MutexLock lock(&mu_);
-  ExpireLocked();
+  ExpireBeforeUseLocked({id}, /*held_by_caller=*/false);
   PublishLocked();
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotOpen(id);

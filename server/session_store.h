@@ -190,6 +190,13 @@ class SessionStore {
   bool IdleTooLong(const Session& s, absl::Time now) const;
   // Removes idle sessions past the idle limit.
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a request or GetSession does before it looks at sessions: ends
+  // those of `ids` idle past the limit (not held by another request), and,
+  // without a sweeper, every other one too. With a sweeper, the others are
+  // its work: a walk over every session per call cost milliseconds under
+  // the one lock at 50,000 sessions.
+  void ExpireBeforeUseLocked(const std::vector<std::string>& ids, bool held_by_caller)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The sweeper's loop, until the store is destroyed.
   void Sweep();
   void RemoveLocked(const std::string& id, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

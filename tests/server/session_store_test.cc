@@ -319,6 +319,28 @@ TEST(SessionStoreTest, ClosingAnExpiredSessionFindsNothing) {
   EXPECT_THAT(not_found, ElementsAre("e"));
 }
 
+// A request holds its sessions before it begins, and so a session past the
+// idle limit that the sweeper had not ended yet was revived by the request
+// that named it (its twin, as idle, was NOT_FOUND to GetSession).
+TEST(SessionStoreTest, AStepOnASessionPastTheIdleLimitIsNotFound) {
+  for (const absl::Duration sweep_every : {absl::ZeroDuration(), absl::Hours(1)}) {
+    SCOPED_TRACE(absl::StrCat("sweep every ", absl::FormatDuration(sweep_every)));
+    absl::Time now = absl::FromUnixSeconds(1000);
+    SessionStore store({int64_t{1} << 20, absl::Seconds(10), sweep_every}, nullptr,
+                       [&] { return now; });
+    CreateIdle(store, now, {"x", "y"});
+    now += absl::Seconds(12);
+    SessionRequest step = Request("x", 1, false, 1);
+    store.Acquire(step.ids, [](bool) {});
+    EXPECT_THAT(store.Begin(step, Kind()),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"x\"")));
+    store.Release(step.ids);
+    EXPECT_THAT(store.Info("y"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"y\"")));
+    EXPECT_EQ(store.open(), 0);
+    EXPECT_EQ(store.bytes(), 0);
+  }
+}
+
 TEST(SessionStoreTest, TheSweeperEndsExpiredSessionsWithoutARequest) {
   // The store's clock is the test's, read by the sweeper's thread too: the
   // session expires when the test moves it on, not when a slow machine has
