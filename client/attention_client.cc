@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +40,21 @@
 
 namespace attention::client {
 namespace {
+
+// gRPC moves a connection attempt on (TCP, the HTTP/2 handshake) only while
+// something polls it: a call waiting for the channel, or its backup poller,
+// every 5 s by default. Calls here fail fast while the channel is failing
+// (no waitForReady), so none waits, and through a proxy that accepts TCP at
+// once and then waits for the client's preface (HAProxy), every attempt timed
+// out before its SETTINGS arrived: after the proxy restarted, a client that
+// was connected failed every call for as long as it ran. Polling every
+// 100 ms, as often as the first reconnect, lets the attempt complete. Set
+// before main, before anything starts gRPC (which reads it once, at start);
+// a value the process was given is kept.
+const bool kBackupPolling = [] {
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "100", /*overwrite=*/0);
+  return true;
+}();
 
 // gRPC caps a retry policy's maxAttempts at 5.
 constexpr int kMaxAttempts = 5;

@@ -301,22 +301,7 @@ class SessionProxyTest : public ::testing::Test {
   void StartProxy() {
     for (int attempt = 0; attempt < 5; ++attempt) {
       proxy_port_ = FreePort();
-      std::vector<std::string> env = {
-          absl::StrCat("ATTENTION_PROXY_BIND=127.0.0.1:", proxy_port_)};
-      for (int i = 0; i < kReplicas; ++i) {
-        env.push_back(absl::StrCat("ATTENTION_REPLICA_", i + 1, "=127.0.0.1:", replicas_[i].port));
-        env.push_back(absl::StrCat("ATTENTION_REPLICA_", i + 1,
-                                   "_CHECK_PORT=", replicas_[i].metrics_port));
-      }
-      absl::StatusOr<Process> p = Process::Start(
-          {ATTENTION_HAPROXY_BIN, "-db", "-f", ATTENTION_SOURCE_DIR "/deploy/haproxy/haproxy.cfg"},
-          env, absl::StrCat(*dir_, "/haproxy.log"));
-      ASSERT_TRUE(p.ok()) << p.status();
-      proxy_ = *std::move(p);
-      const absl::Time end = absl::Now() + absl::Seconds(10);
-      while (absl::Now() < end && proxy_.Running() && !Accepts(proxy_port_)) {
-        absl::SleepFor(absl::Milliseconds(20));
-      }
+      ASSERT_NO_FATAL_FAILURE(LaunchProxy());
       if (proxy_.Running() && Accepts(proxy_port_)) break;
     }
     ASSERT_TRUE(proxy_.Running()) << "haproxy did not start:\n" << proxy_.Log();
@@ -338,6 +323,25 @@ class SessionProxyTest : public ::testing::Test {
       absl::SleepFor(absl::Milliseconds(20));
     }
     ASSERT_EQ(seen.size(), static_cast<size_t>(kReplicas)) << proxy_.Log();
+  }
+
+  // HAProxy on proxy_port_, once it accepts connections (up to 10 s).
+  void LaunchProxy() {
+    std::vector<std::string> env = {absl::StrCat("ATTENTION_PROXY_BIND=127.0.0.1:", proxy_port_)};
+    for (int i = 0; i < kReplicas; ++i) {
+      env.push_back(absl::StrCat("ATTENTION_REPLICA_", i + 1, "=127.0.0.1:", replicas_[i].port));
+      env.push_back(
+          absl::StrCat("ATTENTION_REPLICA_", i + 1, "_CHECK_PORT=", replicas_[i].metrics_port));
+    }
+    absl::StatusOr<Process> p = Process::Start(
+        {ATTENTION_HAPROXY_BIN, "-db", "-f", ATTENTION_SOURCE_DIR "/deploy/haproxy/haproxy.cfg"},
+        env, absl::StrCat(*dir_, "/haproxy.log"));
+    ASSERT_TRUE(p.ok()) << p.status();
+    proxy_ = *std::move(p);
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < end && proxy_.Running() && !Accepts(proxy_port_)) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
   }
 
   // The sessions' ids: the same in every run, so they hash alike.
@@ -633,6 +637,29 @@ TEST_F(SessionProxyTest, AReplicaThatMissesOneCheckKeepsItsSessions) {
     for (const std::string& r : d.replicas) EXPECT_EQ(r, clean[s].replicas.front()) << Id(s);
   }
   ExpectSameOutputs(run, clean);
+}
+
+// A client connected through HAProxy when it restarts: its calls fail
+// UNAVAILABLE while the proxy is away, and succeed again soon after it is
+// back. (They failed for as long as the client ran: no call waits while a
+// channel fails, so nothing polled its reconnection, and HAProxy, which
+// waits for the client's preface, timed each attempt out.)
+TEST_F(SessionProxyTest, AClientConnectedBeforeTheProxyRestartedReconnects) {
+  v1::AttendRequest request;
+  *request.mutable_query() = Rows(0, 0, 1, 9);
+  ASSERT_TRUE(client_->Attend(request).ok());
+  proxy_.Kill();
+  EXPECT_EQ(client_->Attend(request).status().code(), absl::StatusCode::kUnavailable);
+  absl::SleepFor(absl::Seconds(1));  // a few failed reconnects
+  ASSERT_NO_FATAL_FAILURE(LaunchProxy());
+  ASSERT_TRUE(proxy_.Running() && Accepts(proxy_port_)) << "haproxy did not restart:\n"
+                                                        << proxy_.Log();
+  absl::Status last;
+  const absl::Time end = absl::Now() + absl::Seconds(15);
+  while (absl::Now() < end && !(last = client_->Attend(request).status()).ok()) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(last.ok()) << "still failing 15 s after HAProxy came back: " << last;
 }
 
 // Replicas that serve on for a while after SIGTERM, NOT_SERVING, before they

@@ -2,6 +2,9 @@
 round trips, the heap of a program that only calls, errors, deadlines, streams,
 sessions, TLS and bearer tokens."""
 import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -866,6 +869,68 @@ class ReplicasTest(unittest.TestCase):
 
         seen = asyncio.run(answering())
         self.assertEqual(set(seen), {"replica-a", "replica-b"}, seen)
+
+
+class ProxyRestartTest(unittest.TestCase):
+    HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "deploy", "haproxy",
+                          "haproxy.cfg")
+
+    def start_proxy(self, port, replica, metrics_port):
+        env = dict(os.environ, ATTENTION_PROXY_BIND=f"127.0.0.1:{port}")
+        for i in (1, 2, 3):
+            env[f"ATTENTION_REPLICA_{i}"] = replica
+            env[f"ATTENTION_REPLICA_{i}_CHECK_PORT"] = str(metrics_port)
+        proxy = subprocess.Popen([self.HAPROXY, "-db", "-f", self.CONFIG], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(lambda: (proxy.kill(), proxy.wait()))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return proxy
+            time.sleep(0.02)
+        self.fail("haproxy did not start")
+
+    @unittest.skipUnless(os.path.exists(HAPROXY), "haproxy is not installed")
+    def test_a_client_connected_before_the_proxy_restarted_reconnects(self):
+        # No call waits while a channel fails, so nothing polled its
+        # reconnection, and HAProxy, which waits for the client's preface,
+        # timed each attempt out: the client failed every call from then on.
+        replica = Server(flags=("--metrics_port", "0"))
+        self.addCleanup(replica.stop)
+        deadline = time.monotonic() + 10
+        while not (found := re.search(r"metrics on http://127\.0\.0\.1:(\d+)/", replica.log())):
+            self.assertLess(time.monotonic(), deadline, replica.log())
+            time.sleep(0.05)
+        metrics_port = int(found.group(1))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proxy = self.start_proxy(port, replica.target, metrics_port)
+        q = randn(31, 1, 2, 4)
+
+        def answered_within(seconds):
+            deadline = time.monotonic() + seconds
+            while True:
+                try:
+                    c.attend(q, timeout=2)
+                    return True
+                except AttentionError:
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(0.1)
+
+        with attention_client.Client(f"127.0.0.1:{port}", timeout=5) as c:
+            self.assertTrue(answered_within(15))
+            proxy.kill()
+            proxy.wait()
+            with self.assertRaises(AttentionError) as e:
+                c.attend(q)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+            time.sleep(1)  # a few failed reconnects
+            self.start_proxy(port, replica.target, metrics_port)
+            self.assertTrue(answered_within(15), "still failing 15 s after HAProxy came back")
 
 
 class SecurityTest(unittest.TestCase):
