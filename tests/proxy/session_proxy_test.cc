@@ -45,10 +45,14 @@
 #include <thread>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -601,6 +605,28 @@ TEST_F(SessionProxyTest, SessionsOfAKilledReplicaAreRecreatedAndAnswerAsBefore) 
   const std::vector<Decoder> clean = Run();
   ASSERT_FALSE(HasFailure());
   ExpectRecovery(clean, [](Replica& r) { r.process.Kill(); });
+  // A session call is not retried by HAProxy on its dead replica: it held
+  // each such call 3 s (three retries a second apart) before answering 503,
+  // past the callers' retries and, with a 2 s timeout, past their deadline.
+  // A log line's timers and its "actconn/feconn/beconn/srv_conn/retries"
+  // both have five fields; the retries are the last of the latter.
+  for (absl::string_view line : absl::StrSplit(proxy_.Log(), '\n')) {
+    // A call's line, not a check's.
+    if (!absl::StrContains(line, " attention_sessions/") || !absl::StrContains(line, "\"POST ")) {
+      continue;
+    }
+    std::vector<absl::string_view> counts;
+    for (absl::string_view field : absl::StrSplit(line, ' ')) {
+      std::vector<absl::string_view> parts = absl::StrSplit(field, '/');
+      if (parts.size() == 5 && absl::c_all_of(field, [](char c) {
+            return absl::ascii_isdigit(c) || c == '/' || c == '-' || c == '+';
+          })) {
+        counts = std::move(parts);
+      }
+    }
+    ASSERT_EQ(counts.size(), 5u) << line;
+    EXPECT_EQ(counts[4], "0") << "retried by HAProxy: " << line;
+  }
 }
 
 TEST_F(SessionProxyTest, ScaleInDrainsAReplicaAndItsSessionsMoveOn) { ExpectScaleIn(false); }
