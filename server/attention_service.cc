@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -690,6 +691,14 @@ int64_t NewRows(const AttentionArgs& args, bool read_only) {
 }
 
 // What a session of this validated call is fixed to, and its cache's shape.
+// The shortest decimal that reads back as `x` ("0.125", "1.0000004"), so that
+// two scales an error names alike are the same.
+std::string Shortest(float x) {
+  char text[32];
+  const std::to_chars_result end = std::to_chars(text, text + sizeof text, x);
+  return std::string(text, end.ptr);
+}
+
 SessionKind KindOf(const v1::AttendRequest& request, const AttentionArgs& args, const Model* model) {
   SessionKind kind;
   if (model != nullptr) {
@@ -733,8 +742,14 @@ SessionKind KindOf(const v1::AttendRequest& request, const AttentionArgs& args, 
                        : score.kind() == v1::Score::SCALED_DOT
                            ? 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(query_dim, 1)))
                            : 1.0;
-  kind.score = absl::StrCat(v1::Score::Kind_Name(score.kind()), " scale ", scale);
-  if (score.has_bandwidth()) absl::StrAppend(&kind.score, " bandwidth ", score.bandwidth());
+  kind.score_kind = score.kind();
+  kind.score_scale = static_cast<float>(scale);
+  kind.score =
+      absl::StrCat(v1::Score::Kind_Name(score.kind()), " scale ", Shortest(kind.score_scale));
+  if (score.kind() == v1::Score::GAUSSIAN) {
+    kind.score_bandwidth = static_cast<float>(score.has_bandwidth() ? score.bandwidth() : 1.0);
+    absl::StrAppend(&kind.score, " bandwidth ", Shortest(kind.score_bandwidth));
+  }
   if (score.kind() == v1::Score::ADDITIVE || score.kind() == v1::Score::BILINEAR) {
     // Their weights are the request's: the same call each time is the caller's to keep.
     absl::StrAppend(&kind.score, " (with the request's score weights)");

@@ -324,7 +324,8 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
           "query: session \"", id, "\" belongs to ", s.kind.description, ", of query head dim ",
           s.kind.query_dim, "; this request's is ", kind.query_dim));
     }
-    if (s.kind.score != kind.score) {
+    if (s.kind.score_kind != kind.score_kind || s.kind.score_scale != kind.score_scale ||
+        s.kind.score_bandwidth != kind.score_bandwidth) {
       return absl::InvalidArgumentError(absl::StrCat("score: session \"", id, "\" belongs to ",
                                                      s.kind.description, "; this request's is ",
                                                      kind.score));

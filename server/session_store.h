@@ -32,10 +32,15 @@ struct SessionKind {
   std::string model;        // empty: raw attention
   std::string description;  // for errors: "model \"m\"", "raw attention with 8 query heads, ..."
   // Raw attention: the field that gives the query heads ("num_heads", or
-  // "query.shape[1]" at rank 4), and the score with its effective scale
-  // ("SCALED_DOT scale 0.125"), compared by value.
+  // "query.shape[1]" at rank 4), and the score: its kind and the scale and
+  // bandwidth in effect, compared by value in float32, as the engine computes
+  // with them (a step naming the default is the same score), and as text for
+  // errors ("SCALED_DOT scale 0.125").
   std::string heads_field;
   int64_t query_dim = 0;  // per head
+  int score_kind = 0;     // v1::Score::Kind
+  float score_scale = 0;
+  float score_bandwidth = 0;  // GAUSSIAN's; 0 for the others
   std::string score;
   // The cache a new session gets.
   int64_t kv_heads = 0, key_dim = 0, value_dim = 0;

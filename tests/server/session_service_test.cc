@@ -271,7 +271,7 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
        "the request is for position 4, the session holds 5 rows"},
       {"heads", Step("errors", 5, one), absl::StatusCode::kInvalidArgument,
        "num_heads: session \"errors\" belongs to raw attention with 2 query heads, score "
-       "SCALED_DOT scale 0.353553; this request has 4 query heads"},
+       "SCALED_DOT scale 0.35355338; this request has 4 query heads"},
       {"mask", Step("errors", 5, one), absl::StatusCode::kInvalidArgument, "mask.causal: TOP_LEFT"},
       {"ids", Step("errors", 5, one), absl::StatusCode::kInvalidArgument,
        "session.ids: 2 ids do not match the batch size 1"},
@@ -312,8 +312,29 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
   EXPECT_THAT(client().Attend(scaled),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("score: session \"errors\" belongs to raw attention with 2 query "
-                                 "heads, score SCALED_DOT scale 0.353553; this request's is "
+                                 "heads, score SCALED_DOT scale 0.35355338; this request's is "
                                  "SCALED_DOT scale 0.5")));
+  // Compared by value in float32, as computed: not as six digits of text,
+  // which took 1.0000004 for 1 and a named default bandwidth for another.
+  v1::AttendRequest gauss = Step("gauss", 0, one, true);
+  gauss.mutable_score()->set_kind(v1::Score::GAUSSIAN);
+  ASSERT_THAT(client().Attend(gauss), IsOk());
+  gauss = Step("gauss", 1, one);
+  gauss.mutable_session()->set_read_only(true);
+  gauss.mutable_score()->set_kind(v1::Score::GAUSSIAN);
+  gauss.mutable_score()->set_bandwidth(1.0);
+  gauss.mutable_score()->set_scale(1.0);
+  EXPECT_THAT(client().Attend(gauss), IsOk());
+  gauss.mutable_score()->set_bandwidth(1.000004);
+  EXPECT_THAT(client().Attend(gauss),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("score GAUSSIAN scale 1 bandwidth 1; this request's is GAUSSIAN "
+                                 "scale 1 bandwidth 1.000004")));
+  gauss.mutable_score()->set_bandwidth(1.0);
+  gauss.mutable_score()->set_scale(1.0000004);
+  EXPECT_THAT(client().Attend(gauss),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("this request's is GAUSSIAN scale 1.0000004 bandwidth 1")));
   // A failed create leaves no session behind.
   v1::AttendRequest bad_create = Step("never", 0, one, true);
   bad_create.mutable_mask()->set_causal(v1::Mask::TOP_LEFT);
