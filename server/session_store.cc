@@ -373,14 +373,22 @@ absl::Status SessionStore::Reserve(SessionRequest& request) {
       auto it = sessions_.find(id);
       if (it != sessions_.end()) own += HeldBy(id, it->second);
     }
-    if (own + growth > cap) {
-      const std::string held = own > 0 ? absl::StrCat(" more and its sessions hold ", Size(own)) : "";
+    if (growth > cap) {
       return OverLimitError(
           "session_memory_mb",
           absl::StrCat(
-              "session caches: this request's rows need ", Size(growth), held, ", more than the ",
+              "session caches: this request's rows need ", Size(growth), ", more than the ",
               Size(cap),
               " all sessions may hold (--session_memory_mb); send fewer rows per request"));
+    }
+    if (own + growth > cap) {
+      // Fewer rows per request would not help: the sessions are full.
+      return OverLimitError(
+          "session_memory_mb",
+          absl::StrCat("session caches: this request's rows need ", Size(growth),
+                       " more and its sessions hold ", Size(own), ", more than the ", Size(cap),
+                       " all sessions may hold (--session_memory_mb): they cannot grow further "
+                       "here; close them and go on in new ones, or raise the cap"));
     }
     std::vector<std::pair<absl::Time, std::string>> idle;
     int64_t idle_bytes = 0, busy = 0;

@@ -20,9 +20,11 @@
 namespace attention::server {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using testing::IsOk;
+using ::testing::Not;
 using testing::StatusIs;
 
 SessionRequest Request(const std::string& id, int64_t position, bool create, int64_t rows) {
@@ -277,6 +279,32 @@ TEST(SessionStoreTest, ARequestLargerThanTheLimitIsToldSo) {
                                  "sessions may hold (--session_memory_mb); send fewer rows")));
   store.Finish(big, false);
   EXPECT_THAT(store.Info("a"), IsOk());  // not evicted for nothing
+}
+
+// A session that holds all but a block of the cap: a step needing another
+// block is told the sessions are full, not to send fewer rows.
+TEST(SessionStoreTest, ASessionThatCannotGrowIsToldSo) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  const int64_t block = KvCache::kBlockRows * 8 * 4;
+  SessionStore store({2 * block, absl::InfiniteDuration()}, nullptr, [&] { return now; });
+  SessionRequest create = Request("full", 0, true, 2 * KvCache::kBlockRows);
+  store.Acquire(create.ids, [](bool) {});
+  absl::StatusOr<std::vector<KvCache*>> caches = store.Begin(create, Kind());
+  ASSERT_THAT(caches, IsOk());
+  ASSERT_THAT(store.Reserve(create), IsOk());
+  Append(*caches, 2 * KvCache::kBlockRows);
+  store.Finish(create, true);
+  SessionRequest step = Request("full", 2 * KvCache::kBlockRows, false, 1);
+  store.Acquire(step.ids, [](bool) {});
+  ASSERT_THAT(store.Begin(step, Kind()), IsOk());
+  const absl::Status refused = store.Reserve(step);
+  EXPECT_EQ(RequestOverLimit(refused), "session_memory_mb");
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
+                                AllOf(HasSubstr("need 2.0 KiB more and its sessions hold 4.0 KiB"),
+                                      HasSubstr("they cannot grow further here"),
+                                      Not(HasSubstr("fewer rows")))));
+  store.Finish(step, false);
+  EXPECT_EQ(store.Info("full")->position(), 2 * KvCache::kBlockRows);
 }
 
 // Many tiny sessions: each one's entry, cache object and id count against
