@@ -97,6 +97,10 @@ def _numpy_wire(name, array):
 
 def _torch_wire(name, tensor):
     torch = _torch()
+    if tensor.is_meta:
+        raise invalid(f"{name}: a tensor on the meta device has no elements to send")
+    if tensor.layout != torch.strided:
+        raise invalid(f"{name}: a {tensor.layout} tensor; send a dense one (.to_dense())")
     if tensor.requires_grad:
         tensor = tensor.detach()  # numpy() takes no tensor that requires grad
     if not tensor.is_cpu:

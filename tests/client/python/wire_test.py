@@ -60,6 +60,15 @@ class WireTest(unittest.TestCase):
         q = attention_pb2.AttendRequest.FromString(_request.build(x, None, None, {})[0]).query
         self.assertEqual(q.data, x.contiguous().numpy().tobytes())
 
+    def test_sparse_and_meta_tensors_are_invalid_argument(self):
+        # They raised a plain TypeError and NotImplementedError.
+        for x, text in [(torch.eye(3).to_sparse(), "query: a torch.sparse_coo tensor"),
+                        (torch.empty(2, 3, device="meta"), "query: a tensor on the meta device")]:
+            with self.subTest(text=text), self.assertRaises(AttentionError) as e:
+                _request.build(x, None, None, {})
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(text, e.exception.details())
+
     def test_tensors_that_require_grad_are_sent(self):
         x = torch.randn(2, 3, requires_grad=True)
         y = x * 2  # not a leaf
