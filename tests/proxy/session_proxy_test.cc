@@ -25,7 +25,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -110,19 +111,26 @@ class Process {
     args.push_back(nullptr);
     for (const std::string& e : environment) envp.push_back(const_cast<char*>(e.c_str()));
     envp.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
     Process p;
     p.log_ = log;
-    const int error = posix_spawn(&p.pid_, argv[0].c_str(), &actions, nullptr, args.data(),
-                                  envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    if (error != 0) {
-      p.pid_ = -1;
-      return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": errno ", error));
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid < 0) {
+      return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": errno ", errno));
     }
+    if (pid == 0) {
+      // Only async-signal-safe calls until exec: the test has threads. The
+      // child dies with the test's main thread (every Start is called from
+      // it), also when the test is killed (a CTest timeout, a closed pipe),
+      // so no server or proxy outlives it.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
+      const int fd = open(p.log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) _exit(127);
+      execve(args[0], args.data(), envp.data());
+      _exit(127);  // the log is empty and Running() turns false
+    }
+    p.pid_ = pid;
     return p;
   }
 
