@@ -12,15 +12,10 @@ import grpc
 from attention_client._errors import invalid
 from attention_client._wire import _varint
 
-# gRPC moves a connection attempt on only while something polls it: a call
-# waiting for the channel, or its backup poller, every 5 s by default. Calls
-# here fail fast while the channel is failing (no wait_for_ready), so none
-# waits, and through a proxy that accepts TCP at once and then waits for the
-# client's preface (HAProxy), every attempt timed out: after the proxy
-# restarted, a client that was connected failed every call for as long as it
-# ran. Polling every 100 ms, as often as the first reconnect, lets the attempt
-# complete. gRPC reads it when it starts, at the process's first channel, so
-# it is set on import; a value the process was given is kept.
+# gRPC's background poll, which lets a failing channel's reconnection through
+# a proxy complete (why: docs/client.md, "Reconnects and retries"). gRPC reads
+# it when it starts, at the process's first channel, so it is set on import; a
+# value the process was given is kept.
 os.environ.setdefault("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "100")
 
 SERVICE = "/attention.v1.AttentionService/"

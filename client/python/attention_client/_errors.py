@@ -38,6 +38,11 @@ def closed_client():
                           "the client is closed (close() or the end of its with block)")
 
 
+def closed_during_call():
+    """A call in flight when its client's close() cancelled it."""
+    return AttentionError(grpc.StatusCode.CANCELLED, "the client was closed during the call")
+
+
 def code_of(number):
     """The grpc.StatusCode numbered `number` (UNKNOWN for others)."""
     return _CODES.get(number, grpc.StatusCode.UNKNOWN)

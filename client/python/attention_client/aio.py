@@ -17,7 +17,8 @@ import grpc
 
 from attention_client import _channel, _request, _session, _wire
 from attention_client._client import Client as _BlockingClient, merge_closed
-from attention_client._errors import AttentionError, closed_client, from_rpc_error
+from attention_client._errors import (AttentionError, closed_client, closed_during_call,
+                                      from_rpc_error)
 from attention_client._proto.attention.v1 import model_pb2, service_pb2, service_pb2_grpc
 from attention_client._wire import Answer
 
@@ -77,8 +78,7 @@ class Client:
         task = asyncio.current_task()
         cancelling = getattr(task, "cancelling", None)  # Python 3.11
         if self._closed and cancelling is not None and cancelling() == 0:
-            raise AttentionError(grpc.StatusCode.CANCELLED,
-                                 "the client was closed during the call") from None
+            raise closed_during_call() from None
 
     async def attend(self, query, key=None, value=None, *, timeout=..., **fields):
         """As attention_client.Client.attend."""
@@ -199,8 +199,7 @@ class _StepStream:
                 return await self._exchange(request, deadline, timeout)
             except _Unanswered as e:
                 if self._client._closed:
-                    raise AttentionError(grpc.StatusCode.CANCELLED,
-                                         "the client was closed during the call") from None
+                    raise closed_during_call() from None
                 if not e.resend or attempt == _channel.RETRY_ATTEMPTS:
                     raise e.error from None
             pause = random.uniform(0, backoff)
