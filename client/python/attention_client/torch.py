@@ -59,6 +59,7 @@ class RemoteMultiheadAttention(torch.nn.Module):
         # and the weights torch would read are None, as torch's are when absent.
         self._qkv_same_embed_dim = False
         self.in_proj_weight = self.in_proj_bias = None
+        self._checked = {}  # _torch_checks' outcomes
 
     def __deepcopy__(self, memo):
         # A copy (as nn.TransformerEncoder and TransformerDecoder make of their
@@ -84,8 +85,9 @@ class RemoteMultiheadAttention(torch.nn.Module):
             raise invalid("RemoteMultiheadAttention: cannot pickle a layer whose client has "
                           "TLS without tls_ca (its client certificate is not saved, and "
                           "without it the loaded client would not use TLS); give the client "
-                          "tls_ca, or save the layer's state_dict")
+                          "tls_ca")
         state = self.__dict__.copy()
+        del state["_checked"]
         state["client"] = (settings.target, settings.public_arguments)
         # The generated message classes are not importable by the name pickle
         # would record: the config travels as its bytes.
@@ -97,6 +99,7 @@ class RemoteMultiheadAttention(torch.nn.Module):
         state["config"] = model_pb2.ModelConfig.FromString(state["config"])
         super().__setstate__(state)
         self.client = Client(target, **arguments)
+        self._checked = {}
 
     def extra_repr(self):
         return (f"model={self.model!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
@@ -109,17 +112,29 @@ class RemoteMultiheadAttention(torch.nn.Module):
         with batch_first) or unbatched ([L, E]) inputs. attn_mask is [L, S] or
         [B * num_heads, L, S]; masks are bool (True = masked out) or float
         (added to the scores); is_causal masks key j > query i (top left) on top
-        of any attn_mask. Empty inputs (L, S or B of 0) get torch's answer
-        (_empty)."""
+        of any attn_mask. torch's checks of the inputs hold (_torch_checks);
+        meta tensors get torch's answer on the meta device, and empty inputs
+        (L, S or B of 0) torch's answer, without a call where it needs no
+        weights."""
         _check_ranks(query, key, value, key_padding_mask)
-        key_padding_mask, attn_mask = _mask(key_padding_mask), _mask(attn_mask)
+        _check_dtypes(query, key, value)
         batched = query.dim() == 3
         batch_dim = 0 if self.batch_first else 1
         seq_dim = 1 - batch_dim if batched else 0
+        _check_batches(query, key, value, batch_dim if batched else None)
+        key_padding_mask, attn_mask = _mask(key_padding_mask), _mask(attn_mask)
+        wire_mask = _attn_mask(attn_mask, query.shape[batch_dim] if batched else 1,
+                               self.num_heads, query.shape[seq_dim], key.shape[seq_dim])
+        checked = self._torch_checks(query, key, value, key_padding_mask, need_weights,
+                                     attn_mask, average_attn_weights)
+        attn_mask = wire_mask
+        if "meta" in (query.device.type, key.device.type, value.device.type):
+            return checked  # torch's answer on the meta device: shapes, no call
         no_keys = False
         if 0 in query.shape or 0 in key.shape or 0 in value.shape:
-            output, weights = self._empty(query, key, value, key_padding_mask, need_weights,
-                                          attn_mask, average_attn_weights)
+            output, weights = (None if t is None else
+                               torch.zeros(t.shape, dtype=t.dtype, device=query.device)
+                               for t in checked)
             if output.numel() == 0:  # no query or batch row: nothing to compute
                 return output, weights
             # No key (S of 0): torch's answer is out_proj's bias, or its answer
@@ -139,7 +154,6 @@ class RemoteMultiheadAttention(torch.nn.Module):
             value = key if same_value else value.unsqueeze(batch_dim)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        batch = query.shape[batch_dim]
         self_attention = key is query and value is key
         fields = {
             "model": self.model,
@@ -147,8 +161,7 @@ class RemoteMultiheadAttention(torch.nn.Module):
             "need_weights": bool(need_weights),
             "average_weights": bool(average_attn_weights),
             "key_padding_mask": key_padding_mask,
-            "attn_mask": _attn_mask(attn_mask, batch, self.num_heads,
-                                    query.shape[1 - batch_dim], key.shape[1 - batch_dim]),
+            "attn_mask": attn_mask,
         }
         if is_causal:
             fields["causal"] = "top_left"
@@ -168,45 +181,93 @@ class RemoteMultiheadAttention(torch.nn.Module):
                 weights = weights.squeeze(0)
         return output, weights
 
-    def _empty(self, query, key, value, key_padding_mask, need_weights, attn_mask,
-               average_attn_weights):
-        """torch's forward over inputs with a dim of 0, made on the meta device
-        with parameters of the layer's shapes: its checks (INVALID_ARGUMENT)
-        and its answer's shapes, computing nothing. Returns zeros of those
-        shapes in the query's dtype and on its device: torch's answer when L
-        or B is 0 (with only S of 0 it needs the layer's weights: forward asks
-        the server)."""
+    def _torch_checks(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                      average_attn_weights):
+        """torch's forward on the meta device, with parameters of the layer's
+        shapes in the query's dtype: torch's checks of the inputs (a failure
+        is INVALID_ARGUMENT) and its answer, (output, weights) as meta tensors,
+        computing nothing. The outcome is kept per shapes, dtypes and flags
+        (a model calls with few), so a call pays for the check once."""
+        signature = (bool(need_weights), bool(average_attn_weights)) + tuple(
+            None if t is None else (tuple(t.shape), t.dtype)
+            for t in (query, key, value, key_padding_mask, attn_mask))
+        outcome = self._checked.get(signature)
+        if outcome is None:
+            try:
+                outcome = tuple(None if t is None else (t.shape, t.dtype) for t in self._on_meta(
+                    query, key, value, key_padding_mask, need_weights, attn_mask,
+                    average_attn_weights))
+            except (AssertionError, RuntimeError) as error:
+                outcome = f"RemoteMultiheadAttention: {error}"
+            if len(self._checked) >= _CHECKS_KEPT:
+                self._checked.clear()
+            self._checked[signature] = outcome
+        if isinstance(outcome, str):
+            raise invalid(outcome)
+        return tuple(None if t is None else torch.empty(t[0], dtype=t[1], device="meta")
+                     for t in outcome)
+
+    def _on_meta(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                 average_attn_weights):
         dtype = query.dtype
 
-        def meta(t, mask_dtype=None):
+        def meta(t):
             if t is None:
                 return None
-            return t.to("meta", mask_dtype or (dtype if t.is_floating_point() else t.dtype))
+            return t.to("meta", dtype if t.is_floating_point() else t.dtype)
 
         def zeros(*shape):
             return torch.zeros(shape, dtype=dtype, device="meta")
 
         e = self.embed_dim
-        # Float key_padding_masks, which torch refuses, are the wire's too:
-        # their shape is checked as a bool one's.
         q, k, v = meta(query), meta(key), meta(value)
         if self.batch_first and query.dim() == 3:
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        # Float key_padding_masks, which torch 1.13 refuses beside a bool
+        # attn_mask, are the wire's too: their shape is checked as a bool one's.
+        padding = key_padding_mask
+        if padding is not None and padding.is_floating_point():
+            padding = padding.to(torch.bool)
         bias_kv = zeros(1, 1, e) if self.config.add_bias_kv else None
-        try:
-            output, weights = torch.nn.functional.multi_head_attention_forward(
-                q, k, v, e, self.num_heads, zeros(3 * e, e), zeros(3 * e), bias_kv, bias_kv,
-                self.config.add_zero_attn, 0.0, zeros(e, e), zeros(e), training=False,
-                key_padding_mask=meta(key_padding_mask, torch.bool), need_weights=need_weights,
-                attn_mask=meta(attn_mask), use_separate_proj_weight=True,
-                q_proj_weight=zeros(e, e), k_proj_weight=zeros(e, self.kdim),
-                v_proj_weight=zeros(e, self.vdim), average_attn_weights=average_attn_weights)
-        except (AssertionError, RuntimeError) as error:
-            raise invalid(f"RemoteMultiheadAttention: {error}") from None
+        output, weights = torch.nn.functional.multi_head_attention_forward(
+            q, k, v, e, self.num_heads, zeros(3 * e, e), zeros(3 * e), bias_kv, bias_kv,
+            self.config.add_zero_attn, 0.0, zeros(e, e), zeros(e), training=False,
+            key_padding_mask=meta(padding), need_weights=need_weights, attn_mask=meta(attn_mask),
+            use_separate_proj_weight=True, q_proj_weight=zeros(e, e),
+            k_proj_weight=zeros(e, self.kdim), v_proj_weight=zeros(e, self.vdim),
+            average_attn_weights=average_attn_weights)
         if self.batch_first and query.dim() == 3:
             output = output.transpose(0, 1)
-        return tuple(None if t is None else torch.zeros(t.shape, dtype=dtype, device=query.device)
-                     for t in (output, weights))
+        return output, weights
+
+
+_CHECKS_KEPT = 256
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_dtypes(query, key, value):
+    """torch's layer takes query, key and value in its own dtype. These take
+    one dtype, float32, bfloat16 or float16, whatever the served layer's: the
+    server computes each (in float32 at most, so float64 is refused, not
+    rounded)."""
+    if query.dtype not in _INPUT_DTYPES:
+        raise invalid(f"query: dtype {query.dtype} is not torch.float32, torch.bfloat16 or "
+                      "torch.float16 (the server computes in float32 at most)")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise invalid(f"{name}: dtype {t.dtype} is not the query's {query.dtype}; "
+                          "query, key and value take one dtype")
+
+
+def _check_batches(query, key, value, batch_dim):
+    """torch takes key and value of the query's batch; the wire would
+    broadcast a batch of 1."""
+    if batch_dim is None:
+        return
+    for name, t in (("key", key), ("value", value)):
+        if t.shape[batch_dim] != query.shape[batch_dim]:
+            raise invalid(f"{name}: batch {t.shape[batch_dim]} (shape {list(t.shape)}) is not "
+                          f"the query's {query.shape[batch_dim]} (shape {list(query.shape)})")
 
 
 def _check_ranks(query, key, value, key_padding_mask):

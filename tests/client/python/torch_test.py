@@ -311,6 +311,75 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
                 self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
                 self.assertIn(text, e.exception.details())
 
+    def test_inputs_torch_refuses_are_invalid_argument(self):
+        # The wire broadcasts a batch of 1 and takes 4-D masks and any float
+        # dtype; torch's layer refuses them, and so does the module, before a
+        # call: a query batch of 1 came back with the key's batch of 2, and
+        # float64 was rounded through float32. With L of 0 the dtypes went
+        # unchecked.
+        layer = LAYERS["enc_seq"]
+        remote = RemoteMultiheadAttention(None, "enc_seq", client=client)
+        g = torch.Generator().manual_seed(13)
+        q, kv = torch.randn(3, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
+        none = torch.zeros(0, 2, 16)
+        cases = [
+            ((q[:, :1], kv, kv), {}, "key: batch 2 (shape [4, 2, 16]) is not the query's 1 "
+                                     "(shape [3, 1, 16])"),
+            ((q, kv[:, :1], kv[:, :1]), {}, "key: batch 1 (shape [4, 1, 16]) is not the "
+                                            "query's 2"),
+            ((q, kv, kv), {"key_padding_mask": torch.zeros(1, 4, dtype=torch.bool)},
+             "expecting key_padding_mask shape of (2, 4)"),
+            ((q, kv, kv), {"attn_mask": torch.zeros(1, 4)}, "2D attn_mask is torch.Size([1, 4])"),
+            ((q, kv, kv), {"attn_mask": torch.zeros(2, 4, 3, 4)}, "found 4-D tensor"),
+            ((q[:, 0], kv[:, 0], kv[:, 0]), {"attn_mask": torch.zeros(1, 4, 3, 4)},
+             "found 4-D tensor"),
+            ((q.double(), kv.double(), kv.double()), {},
+             "query: dtype torch.float64 is not torch.float32, torch.bfloat16 or torch.float16"),
+            ((q, kv.double(), kv), {}, "key: dtype torch.float64 is not the query's "
+                                       "torch.float32"),
+            ((q, kv, kv.half()), {}, "value: dtype torch.float16 is not the query's"),
+            ((none.long(), kv.long(), kv.long()), {}, "query: dtype torch.int64 is not"),
+            ((none, kv, kv), {"key_padding_mask": torch.zeros(2, 4, dtype=torch.int64)},
+             "only bool and floating types of key_padding_mask"),
+        ]
+        for args, kwargs, text in cases:
+            with self.subTest(text), unittest.mock.patch.object(
+                    client, "attend", wraps=client.attend) as attend:
+                with self.assertRaises(Exception, msg="torch's own layer answers"):
+                    layer(*args, **kwargs)
+                with self.assertRaises(attention_client.AttentionError) as e:
+                    remote(*args, **kwargs)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn(text, e.exception.details())
+                self.assertEqual(attend.call_count, 0)
+
+    def test_meta_tensors_get_torchs_answer_on_meta_without_a_call(self):
+        layer = copy.deepcopy(LAYERS["cross"]).to("meta")
+        remote = RemoteMultiheadAttention(None, "cross", client=client)
+        q, k, v = (torch.empty(4, 2, 16, device="meta"), torch.empty(6, 2, 6, device="meta"),
+                   torch.empty(6, 2, 10, device="meta"))
+        with unittest.mock.patch.object(client, "attend", wraps=client.attend) as attend:
+            for kwargs in ({}, {"average_attn_weights": False}, {"need_weights": False}):
+                with self.subTest(**kwargs):
+                    want, got = layer(q, k, v, **kwargs), remote(q, k, v, **kwargs)
+                    for g, w in zip(got, want):
+                        self.assertEqual(None if g is None else (g.shape, g.dtype, g.device),
+                                         None if w is None else (w.shape, w.dtype, w.device))
+        self.assertEqual(attend.call_count, 0)
+
+    def test_torchs_checks_run_once_per_shapes_dtypes_and_flags(self):
+        remote = RemoteMultiheadAttention(None, "enc_seq", client=client)
+        x, y = torch.randn(3, 2, 16), torch.randn(5, 2, 16)
+        with unittest.mock.patch.object(remote, "_on_meta", wraps=remote._on_meta) as checks:
+            for _ in range(3):
+                remote(x, x, x)
+                remote(y, y, y)
+                remote(y, y, y, need_weights=False)
+                with self.assertRaises(attention_client.AttentionError):
+                    remote(x, x, x, attn_mask=torch.zeros(3, 3, 1, 1))
+        self.assertEqual(checks.call_count, 4)
+        self.assertEqual(pickle.loads(pickle.dumps(remote))._checked, {})
+
     def test_causal_and_unbatched_inputs(self):
         layer = LAYERS["enc_batch"]
         remote = RemoteMultiheadAttention(None, "enc_batch", batch_first=True, client=client)
