@@ -6,6 +6,7 @@ credentials, the bearer token, and the health check's hand-encoded messages
 import json
 import numbers
 import os
+import ssl
 
 import grpc
 
@@ -55,6 +56,56 @@ def _read(option, value):
             return f.read()
     except OSError as e:
         raise invalid(f"{option}: cannot read {value}: {e.strerror}") from None
+
+
+def _check_tls_files(ca_arg, ca, cert_arg, cert, key_arg, key):
+    """What gRPC reports only as a failed connection ("empty address list",
+    naming nothing): a tls_ca without a certificate, a tls_cert without one, a
+    tls_key that is not the certificate's or is encrypted. Checked with
+    Python's ssl, as the server checks its own files at start."""
+    def name(option, arg):
+        return option if isinstance(arg, bytes) else f"{option}: {arg}"
+
+    def holds_certificate(pem):
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(
+                cadata=pem.decode("latin-1"))
+            return True
+        except ssl.SSLError:
+            return False
+
+    for option, arg, pem in (("tls_ca", ca_arg, ca), ("tls_cert", cert_arg, cert)):
+        if pem is not None and not holds_certificate(pem):
+            raise invalid(f"{name(option, arg)} holds no PEM certificate (BEGIN CERTIFICATE)")
+    if cert is None or not hasattr(os, "memfd_create"):
+        return
+
+    def no_passphrase():
+        raise _Encrypted
+
+    # ssl loads a key pair from files only: memory files keep the key off disk.
+    fds = [os.memfd_create("attention-tls"), os.memfd_create("attention-tls")]
+    try:
+        for fd, pem in zip(fds, (cert, key)):
+            os.write(fd, pem)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
+            *(f"/proc/self/fd/{fd}" for fd in fds), password=no_passphrase)
+    except _Encrypted:
+        raise invalid(f"{name('tls_key', key_arg)} is encrypted; give an unencrypted PEM "
+                      "private key") from None
+    except ssl.SSLError as e:
+        if "KEY_VALUES_MISMATCH" in str(e):
+            raise invalid(f"{name('tls_key', key_arg)} is not the key of the certificate in "
+                          f"{name('tls_cert', cert_arg)}") from None
+        raise invalid(f"{name('tls_key', key_arg)} holds no unencrypted PEM private key "
+                      "(BEGIN PRIVATE KEY)") from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class _Encrypted(Exception):
+    pass
 
 
 AFFINITY_HEADER = "attention-affinity"
@@ -108,13 +159,16 @@ class Settings:
         ]
         if tls_server_name:
             self.options.append(("grpc.ssl_target_name_override", tls_server_name))
-        self.tls = tls_ca is not None or tls_cert is not None
+        # Any TLS argument turns TLS on, as the C++ client's options do: a
+        # server name alone verifies the server against the system's roots.
+        self.tls = tls_ca is not None or tls_cert is not None or bool(tls_server_name)
         self.credentials = None
         ca = _read("tls_ca", tls_ca)
         if self.tls:
+            cert, key = _read("tls_cert", tls_cert), _read("tls_key", tls_key)
+            _check_tls_files(tls_ca, ca, tls_cert, cert, tls_key, key)
             self.credentials = grpc.ssl_channel_credentials(
-                root_certificates=ca, private_key=_read("tls_key", tls_key),
-                certificate_chain=_read("tls_cert", tls_cert))
+                root_certificates=ca, private_key=key, certificate_chain=cert)
         # What a pickled RemoteMultiheadAttention makes its client again from:
         # the constructor's arguments but the secrets (token, client
         # certificate and key), which are not written into saved models.

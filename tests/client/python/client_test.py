@@ -1,6 +1,7 @@
 """attention_client.Client against a real server: info, bfloat16 and float16
 round trips, the heap of a program that only calls, errors, deadlines, streams,
 sessions, TLS and bearer tokens."""
+import asyncio
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 import attention_client
+import attention_client.aio
 from attention_client import AttentionError, _heap, _request
 from attention_client._proto.attention.v1 import attention_pb2
 from reference import attention
@@ -933,6 +935,19 @@ class ProxyRestartTest(unittest.TestCase):
             self.assertTrue(answered_within(15), "still failing 15 s after HAProxy came back")
 
 
+def call_on_new_client(make, target, call, **kwargs):
+    """call(client) on a new Client or aio.Client (in its own event loop)."""
+    if make is attention_client.Client:
+        with make(target, **kwargs) as c:
+            return call(c)
+
+    async def run():
+        async with make(target, **kwargs) as c:
+            result = call(c)
+            return await result if result is not None else None
+    return asyncio.run(run())
+
+
 class SecurityTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -971,6 +986,56 @@ class SecurityTest(unittest.TestCase):
             with self.assertRaises(AttentionError) as e:
                 c.health()
             self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+
+    def test_a_server_name_alone_turns_tls_on(self):
+        # It was taken for plaintext: the call, token and all, went in the
+        # clear to a plaintext server. Now the handshake fails there.
+        plaintext = Server(flags=["--auth_token_file", os.path.join(self.dir.name, "token")])
+        self.addCleanup(plaintext.stop)
+        with attention_client.Client(plaintext.target, token="s3cret", timeout=10) as c:
+            plaintext.wait_serving(c)
+        for make in (attention_client.Client, attention_client.aio.Client):
+            with self.subTest(make.__module__), self.assertRaises(AttentionError) as e:
+                call_on_new_client(make, plaintext.target, lambda c: c.server_info(),
+                                   token="s3cret", tls_server_name="localhost", timeout=5)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+
+    def test_tls_files_grpc_cannot_use_are_invalid_argument_naming_them(self):
+        # gRPC refused them only as "UNAVAILABLE: empty address list".
+        d = self.dir.name
+        key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+        for args in (["req", "-x509", *key, "-days", "2", "-subj", "/CN=client", "-keyout",
+                      "client.key", "-out", "client.pem"],
+                     ["req", "-x509", *key, "-days", "2", "-subj", "/CN=other", "-keyout",
+                      "other.key", "-out", "other.pem"],
+                     ["pkey", "-in", "client.key", "-aes256", "-passout", "pass:x", "-out",
+                      "encrypted.key"]):
+            subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=30)
+        cases = [
+            ({"tls_ca": f"{d}/server.key"}, f"tls_ca: {d}/server.key holds no PEM certificate"),
+            ({"tls_ca": b"not pem"}, "tls_ca holds no PEM certificate"),
+            ({"tls_cert": f"{d}/client.key", "tls_key": f"{d}/client.key"},
+             f"tls_cert: {d}/client.key holds no PEM certificate"),
+            ({"tls_cert": f"{d}/client.pem", "tls_key": f"{d}/other.key"},
+             f"tls_key: {d}/other.key is not the key of the certificate in tls_cert: "
+             f"{d}/client.pem"),
+            ({"tls_cert": f"{d}/client.pem", "tls_key": f"{d}/encrypted.key"},
+             f"tls_key: {d}/encrypted.key is encrypted"),
+            ({"tls_cert": f"{d}/client.pem", "tls_key": f"{d}/client.pem"},
+             f"tls_key: {d}/client.pem holds no unencrypted PEM private key"),
+        ]
+        for make in (attention_client.Client, attention_client.aio.Client):
+            for kwargs, text in cases:
+                with self.subTest(make.__module__, **{k: str(v) for k, v in kwargs.items()}):
+                    with self.assertRaises(AttentionError) as e:
+                        call_on_new_client(make, self.server.target, lambda c: None,
+                                           **{"tls_ca": self.ca, **kwargs})
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                    self.assertIn(text, e.exception.details())
+        with open(f"{d}/client.key", "rb") as f:
+            key_bytes = f.read()
+        attention_client.Client(self.server.target, tls_ca=self.ca, tls_cert=f"{d}/client.pem",
+                                tls_key=key_bytes).close()
 
 
 if __name__ == "__main__":
