@@ -1,5 +1,6 @@
 #include "server/security.h"
 
+#include <openssl/asn1.h>
 #include <openssl/bio.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -90,6 +92,21 @@ absl::StatusOr<PrivateKey> ParsePrivateKey(const std::string& path, const std::s
   return key;
 }
 
+// An expired certificate fails every handshake (clients: "certificate verify
+// failed") while the server looks healthy to its probes: refused at start.
+absl::Status CheckNotExpired(const std::string& path, const X509& cert) {
+  const ASN1_TIME* not_after = X509_get0_notAfter(&cert);
+  if (X509_cmp_current_time(not_after) >= 0) return absl::OkStatus();
+  std::tm when{};
+  char text[32] = "an unreadable date";
+  if (ASN1_TIME_to_tm(not_after, &when) == 1) {
+    std::strftime(text, sizeof text, "%Y-%m-%d %H:%M:%S UTC", &when);
+  }
+  ERR_clear_error();
+  return absl::InvalidArgumentError(
+      absl::StrCat(kCertFlag, ": ", path, " expired on ", text, "; clients refuse it"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
@@ -109,6 +126,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   ATTN_ASSIGN_OR_RETURN(std::string cert_pem, ReadFlagFile(kCertFlag, cert_file));
   ATTN_ASSIGN_OR_RETURN(std::string key_pem, ReadFlagFile(kKeyFlag, key_file));
   ATTN_ASSIGN_OR_RETURN(Certificate cert, FirstCertificate(kCertFlag, cert_file, cert_pem));
+  ATTN_RETURN_IF_ERROR(CheckNotExpired(cert_file, *cert));
   ATTN_ASSIGN_OR_RETURN(PrivateKey key, ParsePrivateKey(key_file, key_pem));
   const bool matches = X509_check_private_key(cert.get(), key.get()) == 1;
   ERR_clear_error();
@@ -157,6 +175,12 @@ absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::FromToken(absl::string_vie
           absl::StrCat(source,
                        ": the token has whitespace or control characters; gRPC metadata cannot "
                        "carry them"));
+    }
+    if (byte > 0x7f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source,
+                       ": the token has bytes outside ASCII (UTF-8 text?); gRPC metadata cannot "
+                       "carry them, so no client could send it"));
     }
   }
   return std::unique_ptr<TokenAuth>(new TokenAuth(std::string(token)));

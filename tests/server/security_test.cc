@@ -1,6 +1,7 @@
 #include "server/security.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -8,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "attention/v1/service.grpc.pb.h"
 #include "client/attention_client.h"
@@ -89,6 +91,11 @@ TEST(TokenAuthFromTokenTest, RejectsInnerWhitespaceAndControlCharacters) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("whitespace")));
   EXPECT_THAT(TokenAuth::FromToken("bell\a"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("control")));
+}
+
+TEST(TokenAuthFromTokenTest, RejectsBytesOutsideAsciiNoClientCanSend) {
+  EXPECT_THAT(TokenAuth::FromToken("t\xc3\xb6k"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside ASCII")));
 }
 
 class CheckAuthorizationValueTest : public ::testing::Test {
@@ -195,6 +202,20 @@ TEST_F(MakeServerCredentialsTest, RejectsAKeyOfAnotherCertificate) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr(certs().client_key()), HasSubstr("is not the key of"),
                              HasSubstr(certs().server_cert()))));
+}
+
+TEST_F(MakeServerCredentialsTest, RejectsAnExpiredCertificate) {
+  // Served, it failed every handshake while the server looked healthy.
+  const std::string expired = certs().Path("expired.pem");
+  const std::string command = absl::StrCat(
+      "cd '", certs().dir(),
+      "' && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -set_serial 9 -days -1 "
+      "-out expired.pem > expired.log 2>&1");
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  EXPECT_THAT(MakeServerCredentials(expired, certs().server_key(), ""),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(absl::StrCat("--tls_cert: ", expired, " expired on ")),
+                             HasSubstr(" UTC; clients refuse it"))));
 }
 
 // --- End to end: a gRPC server with these credentials and TokenAuth ------------------
