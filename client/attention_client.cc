@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -392,6 +393,29 @@ absl::Status CheckBearerToken(absl::string_view token) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadBearerTokenFile(absl::string_view option, const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(option, ": cannot read ", path, ": it is a directory"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::string contents;
+  if (in) contents.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  if (!in || in.bad()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(option, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  const absl::string_view token = absl::StripAsciiWhitespace(contents);
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(option, ": ", path, " holds no token"));
+  }
+  if (absl::Status valid = CheckBearerToken(token); !valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(option, ": ", path, ": ", valid.message()));
+  }
+  return std::string(token);
 }
 
 absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(

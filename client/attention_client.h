@@ -76,6 +76,13 @@ struct ClientOptions {
 // ("bearer_token: " and this message).
 absl::Status CheckBearerToken(absl::string_view token);
 
+// The token in the file at `path`, read as the server reads its
+// --auth_token_file: surrounding whitespace (a trailing newline) removed. A
+// token in a file stays out of the process's command line, which other users
+// can read. INVALID_ARGUMENT naming `option` and the file when it cannot be
+// read, holds no token, or holds what CheckBearerToken refuses.
+absl::StatusOr<std::string> ReadBearerTokenFile(absl::string_view option, const std::string& path);
+
 // One call's routing: what a proxy hashes on, and which replica answered
 // (docs/sessions.md, "Sessions across replicas").
 struct CallOptions {

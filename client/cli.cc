@@ -47,6 +47,8 @@ flags:
   --target HOST:PORT    server address, any gRPC target (default 127.0.0.1:50051)
   --timeout DURATION    deadline of each call, e.g. 30s, 500ms (default 30s)
   --token TOKEN         send "authorization: Bearer TOKEN"
+  --token_file FILE     send the token in FILE (surrounding whitespace removed):
+                        unlike --token, kept out of the process list
   --tls_ca FILE         use TLS, trusting the CA certificates in FILE (PEM)
                         instead of the system's
   --tls_cert FILE       with --tls_key: use TLS and present this client
@@ -72,9 +74,10 @@ struct Flag {
 };
 
 constexpr Flag kFlags[] = {
-    {"target", true},   {"timeout", true}, {"token", true},           {"max_message_mb", true},
-    {"service", true},  {"raw", false},    {"help", false},           {"tls_ca", true},
-    {"tls_cert", true}, {"tls_key", true}, {"tls_server_name", true}, {"affinity", true},
+    {"target", true},     {"timeout", true}, {"token", true},           {"max_message_mb", true},
+    {"service", true},    {"raw", false},    {"help", false},           {"tls_ca", true},
+    {"tls_cert", true},   {"tls_key", true}, {"tls_server_name", true}, {"affinity", true},
+    {"token_file", true},
 };
 
 std::optional<Flag> FindFlag(absl::string_view name) {
@@ -100,6 +103,8 @@ absl::Status SetFlag(absl::string_view name, const std::string& value, CliComman
       return absl::InvalidArgumentError(absl::StrCat("--token: ", token.message()));
     }
     command->client.bearer_token = value;
+  } else if (name == "token_file") {
+    ATTN_ASSIGN_OR_RETURN(command->client.bearer_token, ReadBearerTokenFile("--token_file", value));
   } else if (name == "max_message_mb") {
     int64_t mb;
     if (!absl::SimpleAtoi(value, &mb) || mb < 1 || mb > kMaxMessageMb) {
@@ -302,6 +307,7 @@ absl::Status RunCommand(const CliCommand& command, std::istream& in, std::ostrea
 absl::StatusOr<CliCommand> ParseCliArgs(const std::vector<std::string>& args) {
   CliCommand command;
   std::vector<std::string> positionals;
+  std::string token_flag;  // "token" or "token_file", once either is given
   bool flags_done = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -336,6 +342,12 @@ absl::StatusOr<CliCommand> ParseCliArgs(const std::vector<std::string>& args) {
         return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
       }
       value = args[++i];
+    }
+    if (name == "token" || name == "token_file") {
+      if (!token_flag.empty() && token_flag != name) {
+        return absl::InvalidArgumentError("give --token or --token_file, not both");
+      }
+      token_flag = std::string(name);
     }
     ATTN_RETURN_IF_ERROR(SetFlag(name, value, &command));
   }

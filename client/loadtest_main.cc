@@ -14,6 +14,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
@@ -119,6 +120,9 @@ ABSL_FLAG(std::optional<bool>, progress, std::nullopt,
           "terminal");
 
 ABSL_FLAG(std::string, token, "", "Send \"authorization: Bearer TOKEN\"");
+ABSL_FLAG(std::string, token_file, "",
+          "Send the token in this file (surrounding whitespace removed): unlike --token, kept "
+          "out of the process list");
 ABSL_FLAG(std::string, tls_ca, "", "Use TLS, trusting the CA certificates in this PEM file");
 ABSL_FLAG(std::string, tls_cert, "", "With --tls_key: present this client certificate (PEM)");
 ABSL_FLAG(std::string, tls_key, "", "The private key of --tls_cert (PEM)");
@@ -265,6 +269,18 @@ int main(int argc, char** argv) {
   const std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   attention::loadtest::LoadtestConfig config = ConfigFromFlags();
+  if (const std::string file = absl::GetFlag(FLAGS_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token =
+        attention::client::ReadBearerTokenFile("--token_file", file);
+    if (token.ok() && !config.client.bearer_token.empty()) {
+      token = absl::InvalidArgumentError("give --token or --token_file, not both");
+    }
+    if (!token.ok()) {
+      std::cerr << "error: " << token.status().message() << "\n";
+      return attention::loadtest::kExitSetup;
+    }
+    config.client.bearer_token = *std::move(token);
+  }
   if (!targets.empty()) config.targets = targets;
   config.thresholds = thresholds;
 

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/tensors.h"
@@ -61,6 +62,26 @@ TEST(AttentionClientCreateTest, RefusesATokenAHeaderCannotCarry) {
   EXPECT_THAT(AttentionClient::Create(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("byte 6 of 7 is 0x0d")));
   EXPECT_THAT(CheckBearerToken("A-z0_9.~+/= !"), IsOk());
+}
+
+TEST(ReadBearerTokenFileTest, ReadsTheTokenAsTheServerDoes) {
+  const std::string dir = testing::MakeTempDir("token_files");
+  testing::WriteFile(dir + "/token", "  s3cret \r\n");
+  EXPECT_THAT(ReadBearerTokenFile("--token_file", dir + "/token"), IsOkAndHolds("s3cret"));
+  testing::WriteFile(dir + "/blank", " \n");
+  EXPECT_THAT(ReadBearerTokenFile("--token_file", dir + "/blank"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("--token_file: ", dir, "/blank holds no token"))));
+  testing::WriteFile(dir + "/two_lines", "s3cret\nagain\n");
+  EXPECT_THAT(
+      ReadBearerTokenFile("--token_file", dir + "/two_lines"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr(absl::StrCat("--token_file: ", dir, "/two_lines: byte 6 of 12 is 0x0a"))));
+  EXPECT_THAT(ReadBearerTokenFile("--token_file", dir + "/missing"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("--token_file: cannot read ", dir, "/missing: "))));
+  EXPECT_THAT(ReadBearerTokenFile("--token_file", dir),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("it is a directory")));
 }
 
 // gRPC takes an empty CA list for the system's roots and an empty key for no

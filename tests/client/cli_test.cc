@@ -322,6 +322,23 @@ TEST_F(RunCliServerTest, TokenIsSentAsBearer) {
   EXPECT_EQ(server_.last_authorization(), "Bearer t0k");
 }
 
+TEST_F(RunCliServerTest, TokenFileIsSentAsBearer) {
+  const std::string path = ::testing::TempDir() + "/cli_token";
+  std::ofstream(path) << "t0k\n";
+  ASSERT_EQ(RunAgainstServer({"--token_file", path, "info"}).code, kCliOk);
+  EXPECT_EQ(server_.last_authorization(), "Bearer t0k");
+  CliResult both = RunAgainstServer({"--token_file", path, "--token", "t0k", "info"});
+  EXPECT_EQ(both.code, kCliUsage);
+  EXPECT_THAT(both.err,
+              StartsWith("error: INVALID_ARGUMENT: give --token or --token_file, not both\n"));
+  std::remove(path.c_str());
+  CliResult missing = RunAgainstServer({"--token_file", path, "info"});
+  EXPECT_EQ(missing.code, kCliUsage);
+  EXPECT_THAT(missing.err, StartsWith(absl::StrCat("error: INVALID_ARGUMENT: --token_file: cannot "
+                                                   "read ",
+                                                   path, ": ")));
+}
+
 TEST_F(RunCliServerTest, HealthExitsZeroOnlyWhenServing) {
   CliResult serving = RunAgainstServer({"health"});
   EXPECT_EQ(serving.code, kCliOk);
