@@ -342,6 +342,19 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   // (const only by the method's signature) and reads them no more.
   if (admitted.ok()) {
     admitted = ParseAndReleaseMessage(const_cast<grpc::ByteBuffer*>(request_bytes), request.get());
+    // No bytes at all parse as an empty message. gRPC calls the method with
+    // a buffer that does not when the call ended before its request had
+    // arrived whole (its deadline passed, or its caller cancelled, during the
+    // upload). Not the caller's mistake: counted as a call dropped before
+    // compute, by why it ended.
+    if (!admitted.ok() && wire_bytes == 0) {
+      const char* reason = CallOverReason(absl::FromChrono(context->deadline()), absl::Now());
+      metrics_->CountNotComputed(reason);
+      admitted = absl::string_view(reason) == "cancelled"
+                     ? absl::CancelledError("the caller cancelled before its request had arrived")
+                     : absl::DeadlineExceededError(
+                           "the call's deadline passed before its request had arrived");
+    }
   }
   // Parsed first, so that a request on sessions learns they are gone.
   if (admitted.ok() && draining_.load()) admitted = DrainingError(request.get());

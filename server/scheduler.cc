@@ -161,19 +161,21 @@ void Scheduler::Loop() {
   }
 }
 
-namespace {
-
-// How far before a job's deadline a cancellation counts as the deadline's.
+// How far before a call's deadline a cancellation counts as the deadline's.
 constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(20);
 
-// Why `job`'s call is over at `now`: "deadline_exceeded", "cancelled", or
-// null while it is not. The deadline first: gRPC cancels a call whose
-// deadline passed, by its own timer, which can fire a little before
-// job.deadline reads as passed here; such a cancellation is the deadline's.
+const char* CallOverReason(absl::Time deadline, absl::Time now) {
+  return now >= deadline - kDeadlineSlack ? "deadline_exceeded" : "cancelled";
+}
+
+namespace {
+
+// Why `job`'s call is over at `now` (CallOverReason), or null while it is
+// not. The deadline first: it passes without a cancellation being seen yet.
 const char* OverReason(const Job& job, absl::Time now) {
   if (now >= job.deadline) return "deadline_exceeded";
   if (!job.cancelled || !job.cancelled()) return nullptr;
-  return now >= job.deadline - kDeadlineSlack ? "deadline_exceeded" : "cancelled";
+  return CallOverReason(job.deadline, now);
 }
 
 bool IsDeadline(const char* reason) { return absl::string_view(reason) == "deadline_exceeded"; }

@@ -23,6 +23,12 @@ namespace attention::server {
 
 using JobTiming = JobTimingFields;
 
+// Why a call found over at `now` ended: "deadline_exceeded" from shortly
+// before its deadline on (gRPC's own timer cancels a call whose deadline
+// passed, and can fire a little before the deadline reads as passed here),
+// else "cancelled" (its caller cancelled).
+const char* CallOverReason(absl::Time deadline, absl::Time now);
+
 // One admitted request.
 struct Job {
   std::unique_ptr<EngineRequest> request;

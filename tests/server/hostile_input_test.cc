@@ -1060,5 +1060,48 @@ TEST(LongSequenceTest, ACallPastItsDeadlineStopsComputing) {
             << " after the first was sent\n";
 }
 
+// A call whose deadline passes while its 8 MiB request is still arriving:
+// gRPC hands the handler what came, which does not parse. It was counted as
+// INVALID_ARGUMENT, a malformed request of the caller's (27 to 35 of 40 such
+// calls); it is a call over before compute, by why it ended.
+TEST(UploadTest, ACallOverDuringItsUploadIsNotCountedAsTheCallersMistake) {
+  absl::StatusOr<std::unique_ptr<TestServer>> server = TestServer::Start();
+  ASSERT_THAT(server, IsOk());
+  ASSERT_THAT((*server)->client().Attend(ValidRequest()), IsOk());  // connected
+  client::ClientOptions hasty;
+  hasty.target = (*server)->server().address();
+  hasty.timeout = absl::Milliseconds(3);
+  hasty.max_attempts = 1;
+  absl::StatusOr<std::unique_ptr<client::AttentionClient>> caller =
+      client::AttentionClient::Create(hasty);
+  ASSERT_THAT(caller, IsOk());
+  v1::AttendRequest request;
+  *request.mutable_query() = Ramp({1, 1, 64});
+  *request.mutable_key() = Ramp({1, 16384, 64});
+  *request.mutable_value() = Ramp({1, 16384, 64});
+  request.set_need_weights(false);
+  for (int i = 0; i < 40; ++i) {
+    EXPECT_THAT((*caller)->Attend(request),
+                StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));
+  }
+  AttentionServer& s = (*server)->server();
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (Counter(s, "attention_in_flight") != 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const auto count = [&](const std::string& series) { return std::max(0.0, Counter(s, series)); };
+  EXPECT_EQ(Counter(s, R"(attention_requests_total{method="Attend",model="",code="INVALID_ARGUMENT"})"),
+            -1)
+      << s.metrics().RenderPrometheus();
+  // Every call the server counted as over is one it dropped or stopped.
+  EXPECT_EQ(count(R"(attention_requests_total{method="Attend",model="",code="DEADLINE_EXCEEDED"})") +
+                count(R"(attention_requests_total{method="Attend",model="",code="CANCELLED"})"),
+            count(R"(attention_not_computed_total{reason="deadline_exceeded"})") +
+                count(R"(attention_not_computed_total{reason="cancelled"})") +
+                count(R"(attention_interrupted_total{reason="deadline_exceeded"})") +
+                count(R"(attention_interrupted_total{reason="cancelled"})"))
+      << s.metrics().RenderPrometheus();
+}
+
 }  // namespace
 }  // namespace attention::testing
