@@ -20,11 +20,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "engine/attention.h"
 #include "httplib.h"
@@ -103,12 +103,18 @@ std::string CodeName(int grpc_code) {
   return absl::StatusCodeToString(static_cast<absl::StatusCode>(grpc_code));
 }
 
+std::string ReadProcFile(const char* path) {
+  std::ifstream file(path);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
 // The process collector's metrics of Prometheus's client libraries, from
 // /proc/self: CPU seconds, resident and virtual memory, open files, start
 // time. A value /proc does not give is left out.
 void AppendProcessMetrics(std::string* out) {
-  std::ifstream stat_file("/proc/self/stat");
-  std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
+  // Each file is closed before /proc/self/fd is counted, which would count
+  // it too.
+  std::string stat = ReadProcFile("/proc/self/stat");
   // Fields after the command (in parentheses, which may hold spaces): the
   // 3rd field is the state; utime and stime are the 14th and 15th, starttime
   // the 22nd, vsize the 23rd, rss (pages) the 24th.
@@ -135,11 +141,9 @@ void AppendProcessMetrics(std::string* out) {
     AppendSample("process_virtual_memory_bytes", "", FormatValue(vsize), out);
   }
   // starttime is in ticks since boot; the boot time is /proc/stat's btime.
-  std::ifstream proc_stat("/proc/stat");
-  std::string line;
   double boot = -1;
-  while (std::getline(proc_stat, line)) {
-    if (absl::StartsWith(line, "btime ") && absl::SimpleAtod(line.substr(6), &boot)) break;
+  for (absl::string_view line : absl::StrSplit(ReadProcFile("/proc/stat"), '\n')) {
+    if (absl::ConsumePrefix(&line, "btime ") && absl::SimpleAtod(line, &boot)) break;
   }
   if (boot >= 0 && field(22, &start)) {
     AppendHeader("process_start_time_seconds", "gauge",

@@ -5,10 +5,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <ctime>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <memory>
@@ -315,6 +317,31 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
                 Optional(0.0));
   }
   ExpectHistogramsConsistent(exposition);
+}
+
+// As Prometheus's own clients count them: every descriptor the process has
+// open, the listing's own included. The two /proc files read for the other
+// process metrics were counted too, while still open.
+TEST(MetricsTest, ProcessOpenFdsCountsTheProcesssOwnDescriptors) {
+  Metrics metrics;
+  const auto listed = [] {
+    int64_t fds = 0;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+      (void)entry;
+      ++fds;
+    }
+    return fds;
+  };
+  // Another thread of the test binary may open or close one meanwhile: one
+  // of a few tries sees them still.
+  double closest = 1e9;
+  for (int attempt = 0; attempt < 5 && closest != 0; ++attempt) {
+    const int64_t want = listed();
+    const std::optional<double> got = Parse(metrics.RenderPrometheus()).Value("process_open_fds");
+    ASSERT_TRUE(got.has_value());
+    closest = std::min(closest, std::abs(*got - static_cast<double>(want)));
+  }
+  EXPECT_EQ(closest, 0);
 }
 
 TEST(MetricsTest, CountsRequestsByMethodModelAndCodeName) {
