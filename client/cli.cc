@@ -65,7 +65,8 @@ flags:
   --help                print this text
 
 exit codes: 0 ok, 1 the call failed (one line "error: CODE: message" on
-stderr) or health is not SERVING, 2 bad command line
+stderr), health is not SERVING or the answer could not be written, 2 bad
+command line
 )";
 
 struct Flag {
@@ -400,6 +401,11 @@ int RunCli(const std::vector<std::string>& args, std::istream& in, std::ostream&
   out.flush();
   if (!status.ok()) {
     PrintError(status, err);
+    return kCliError;
+  }
+  // A full disk or a closed pipe: the answer is lost, which is not success.
+  if (!out) {
+    err << "error: cannot write the answer to standard output\n";
     return kCliError;
   }
   return serving ? kCliOk : kCliError;

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -144,13 +145,20 @@ absl::Status WriteFile(const std::string& path, const std::string& contents) {
 }
 
 // Appends the report's row under the header already in `path`, or writes
-// both when the file is new, empty or holds another header.
+// both when the file is new, empty or holds another header. Only a regular
+// file is read for its header, and only as far as the header goes: a pipe
+// (/dev/stdout under `| tail`) would wait for the tester's own output, and
+// /dev/zero or /dev/full never end a line. Anything else gets both.
 absl::Status AppendCsv(const std::string& path, const Report& report) {
   const std::string header = CsvHeader();
   std::string first_line;
-  {
-    std::ifstream existing(path);
-    std::getline(existing, first_line);
+  std::error_code error;
+  if (std::filesystem::is_regular_file(path, error)) {
+    std::ifstream existing(path, std::ios::binary);
+    first_line.resize(header.size() + 1);
+    existing.read(first_line.data(), static_cast<std::streamsize>(first_line.size()));
+    first_line.resize(static_cast<size_t>(existing.gcount()));
+    if (absl::EndsWith(first_line, "\n")) first_line.pop_back();
   }
   if (first_line != header)
     return WriteFile(path, absl::StrCat(header, "\n", CsvRow(report), "\n"));
@@ -197,6 +205,7 @@ int Conclude(Report& report, const std::vector<Threshold>& thresholds, const Loa
   out << FormatSummary(report);
   out.flush();
   absl::Status written = absl::OkStatus();
+  if (!out) written = absl::InvalidArgumentError("cannot write the summary to standard output");
   if (!config.json_file.empty()) written.Update(WriteFile(config.json_file, FormatJson(report)));
   if (!config.html_file.empty())
     written.Update(WriteHtml(config.html_file, FormatJson(report), ""));

@@ -339,6 +339,15 @@ TEST_F(RunCliServerTest, TokenFileIsSentAsBearer) {
                                                    path, ": ")));
 }
 
+// A full disk or a closed pipe lost the answer, and the exit code said 0.
+TEST_F(RunCliServerTest, AnAnswerThatCannotBeWrittenExitsOne) {
+  std::istringstream in;
+  std::ostream out(nullptr);  // every write fails
+  std::ostringstream err;
+  EXPECT_EQ(RunCli({"--target", server_.address(), "info"}, in, out, err), kCliError);
+  EXPECT_EQ(err.str(), "error: cannot write the answer to standard output\n");
+}
+
 TEST_F(RunCliServerTest, HealthExitsZeroOnlyWhenServing) {
   CliResult serving = RunAgainstServer({"health"});
   EXPECT_EQ(serving.code, kCliOk);

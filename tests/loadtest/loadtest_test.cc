@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "client/loadtest/report.h"
 #include "client/loadtest/thresholds.h"
 #include "client/loadtest/workload.h"
 #include "gmock/gmock.h"
@@ -424,6 +425,27 @@ TEST_F(LoadtestBinaryTest, ABadCommandLineExitsWithOne) {
   outcome = RunBinary(absl::StrCat(Load(), " extra"));
   EXPECT_EQ(outcome.exit_code, kExitSetup);
   EXPECT_THAT(outcome.err, HasSubstr("unexpected argument \"extra\""));
+}
+
+// The header of --csv was looked for by reading the file first: /dev/stdout
+// under a pipe is the tester's own output, and it waited for it for ever.
+TEST_F(LoadtestBinaryTest, CsvToAPipeGetsTheHeaderAndTheRow) {
+  const std::string dir = MakeTempDir("csv_pipe");
+  const Outcome outcome =
+      testing::RunCommand(absl::StrCat(kEnvironment, "timeout 60 ", ATTENTION_LOADTEST_BIN, " ",
+                                       Load(), " --csv /dev/stdout | cat"),
+                          dir);
+  EXPECT_THAT(outcome.out, HasSubstr("requests       100 "));
+  EXPECT_THAT(outcome.out, HasSubstr(absl::StrCat("\n", CsvHeader(), "\n")));
+}
+
+// A summary written nowhere (a full disk) is a failed run, not a passed one.
+TEST_F(LoadtestBinaryTest, ASummaryThatCannotBeWrittenExitsWithOne) {
+  const std::string dir = MakeTempDir("full");
+  const Outcome outcome = testing::RunCommand(
+      absl::StrCat("(", kEnvironment, ATTENTION_LOADTEST_BIN, " ", Load(), " >/dev/full)"), dir);
+  EXPECT_EQ(outcome.exit_code, kExitSetup) << outcome.err;
+  EXPECT_THAT(outcome.err, HasSubstr("error: cannot write the summary to standard output"));
 }
 
 TEST_F(LoadtestBinaryTest, HistogramLogsOfTwoRunsMergeIntoOne) {
