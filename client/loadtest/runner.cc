@@ -1195,12 +1195,16 @@ RunResult Runner::Run() {
   for (const std::unique_ptr<Worker>& worker : workers_) result.stats.Merge(worker->TakeStats());
   LoadStats& stats = result.stats;
   stats.sent = measured_sent_.load();
-  stats.duration_s =
-      static_cast<double>(std::max<int64_t>(0, last_done_ns_.load() - measure_start_ns_)) * 1e-9;
   const int64_t window_end =
       std::max(open_loop_ ? window_end_ns_.load() : stop_ns_.load(), last_sent_ns_.load());
   stats.send_window_s =
       static_cast<double>(std::max<int64_t>(0, window_end - measure_start_ns_)) * 1e-9;
+  // To the last answer, or the end of the window the calls were sent over if
+  // that is later: an open loop's last answer can come long before its
+  // window ends (one call at 0.5/s for 1 s read as 2000 answered/s).
+  stats.duration_s = static_cast<double>(std::max<int64_t>(
+                         0, std::max(last_done_ns_.load(), window_end) - measure_start_ns_)) *
+                     1e-9;
   auto seconds = [](const timeval& t) {
     return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6;
   };

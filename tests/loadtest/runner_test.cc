@@ -144,6 +144,19 @@ TEST_P(RunnerTransportTest, OpenLoopSendsEveryCallOnSchedule) {
   EXPECT_NEAR(stats.sent_rps(), 1000, 100);
 }
 
+// An open loop's rates are over its whole window: its last answer can come
+// long before the window ends. One call at 0.5/s over 1 s read as 2000
+// answered/s, and passed an rps>1000 gate.
+TEST_P(RunnerTransportTest, AnOpenLoopsRatesAreOverItsWholeWindow) {
+  FakeAttentionServer server;
+  RunOptions options = Options({&server});
+  options.schedule = Schedule::Constant(LoadKind::kRate, 0.5, absl::Seconds(1));
+  const LoadStats stats = RunOk(options).stats;
+  EXPECT_EQ(stats.requests(), 1);
+  EXPECT_GE(stats.duration_s, 0.99);
+  EXPECT_LE(stats.throughput_rps(), 1.01);
+}
+
 // The bug every closed-loop tester has (coordinated omission): while the
 // server stalls, the tester does not send, so only the one call in flight
 // sees the stall. An open loop keeps its schedule; with one call in flight
