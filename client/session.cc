@@ -579,6 +579,7 @@ absl::Status Session::Close() {
   if (created_) {
     absl::StatusOr<v1::CloseSessionsResponse> closed = client_->CloseSessions({id()}, Call());
     if (!closed.ok()) return closed.status();
+    found_at_close_ = !closed->closed().empty();
   }
   closed_ = true;
   Settled();

@@ -119,6 +119,13 @@ class Session {
   // evicted.
   absl::Status Close();
 
+  // After a Close that returned OK: the server named the session among those
+  // it closed. False when it was no longer open there (it expired, was
+  // evicted, lives on another replica now, or a retried close found it
+  // closed by the first attempt), or nothing was sent (no call created it,
+  // or another client's session took its id).
+  bool found_at_close() const { return found_at_close_; }
+
   const std::string& id() const { return options_.id; }
   // Rows the server holds after the last answered step: the next position.
   int64_t position() const { return position_; }
@@ -178,6 +185,7 @@ class Session {
   int64_t position_ = 0;
   bool created_ = false;
   bool closed_ = false;
+  bool found_at_close_ = false;
   // A recreation found the id another client's: the session is over, and
   // never touches that one.
   bool taken_ = false;

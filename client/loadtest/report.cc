@@ -71,10 +71,14 @@ std::string HistogramRow(const char* label, const Histogram& histogram, const ch
 }
 
 std::string SessionSummary(const SessionStats& sessions, double seconds) {
+  const std::string not_open =
+      sessions.not_open_at_close > 0
+          ? absl::StrFormat(", %d no longer open at close", sessions.not_open_at_close)
+          : "";
   std::string text = absl::StrFormat(
-      "\n%-15s%d of %d opened with %d rows, %d closed, %d recreated; %s cache, %s a row\n",
+      "\n%-15s%d of %d opened with %d rows, %d closed%s, %d recreated; %s cache, %s a row\n",
       "sessions", sessions.opened, sessions.sessions, sessions.prefill_rows, sessions.closed,
-      sessions.recreations, sessions.cache_dtype,
+      not_open, sessions.recreations, sessions.cache_dtype,
       FormatBytes(static_cast<double>(sessions.cache_row_bytes)));
   absl::StrAppend(
       &text, absl::StrFormat("%-15s%d of %d answered in %.2fs: %.1f/s\n", "steps", sessions.steps,
@@ -334,6 +338,7 @@ std::string FormatJson(const Report& report) {
         {"cache_row_bytes", sessions.cache_row_bytes},
         {"opened", sessions.opened},
         {"closed", sessions.closed},
+        {"not_open_at_close", sessions.not_open_at_close},
         {"recreations", sessions.recreations},
         {"sessions_recreated", sessions.sessions_recreated},
         {"steps", sessions.steps},

@@ -53,6 +53,27 @@ void CountFailure(const absl::Status& status, LoadStats* stats) {
   }
 }
 
+// A call that was sent and failed: it counts among the calls sent, as a
+// step does.
+void CountFailedCall(const absl::Status& status, LoadStats* stats) {
+  ++stats->sent;
+  CountFailure(status, stats);
+}
+
+// After a failed call, a decoder sends it again if its outcome is unknown or
+// the session moved on (client.md: "send the step again"), as while a
+// replica or the proxy restarts: 0.1 s later, the wait doubling up to 1 s,
+// until its failures in a row have lasted 10 s.
+constexpr absl::Duration kFirstRetryWait = absl::Milliseconds(100);
+constexpr absl::Duration kMaxRetryWait = absl::Seconds(1);
+constexpr absl::Duration kGiveUpAfter = absl::Seconds(10);
+
+bool SentAgainAfter(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable ||
+         status.code() == absl::StatusCode::kDeadlineExceeded ||
+         status.code() == absl::StatusCode::kAborted;
+}
+
 // The process's CPU time over the steps: from the first step sent to the
 // moment the last decoder is done stepping, so prefills before and closes
 // after do not count against the steps' window.
@@ -178,20 +199,34 @@ class Decoder {
       return std::move(result_);
     }
     if (Prefill(**session)) {
-      for (int64_t i = 0; i < options_.steps && !Interrupted(); ++i) {
-        if (!Step(**session)) break;
+      for (int64_t i = 0; i < options_.steps && !Interrupted();) {
+        absl::Status stepped = Step(**session);
+        if (stepped.ok()) {
+          ++i;
+          retry_ = {};
+        } else if (!WaitToSendAgain(stepped, /*until_interrupted=*/true)) {
+          break;
+        }
       }
     }
     cpu_->DoneStepping();
     // Close sends nothing for a session no call created, but also closes
-    // one a prefill whose answer was lost may have created.
+    // one a prefill whose answer was lost may have created. An interrupted
+    // run still closes its sessions, sent again as the steps are.
     if (!lost_) {
       const bool open = (*session)->open();
-      const absl::Status closed = (*session)->Close();
-      if (!closed.ok()) {
-        CountFailure(closed, &result_.stats);
-      } else if (open) {
-        ++result_.sessions.closed;
+      retry_ = {};
+      while (true) {
+        const absl::Status closed = (*session)->Close();
+        if (closed.ok()) {
+          if (open) {
+            ++((*session)->found_at_close() ? result_.sessions.closed
+                                            : result_.sessions.not_open_at_close);
+          }
+          break;
+        }
+        CountFailedCall(closed, &result_.stats);
+        if (!WaitToSendAgain(closed, /*until_interrupted=*/false)) break;
       }
     }
     result_.sessions.recreations = (*session)->recreations();
@@ -204,6 +239,26 @@ class Decoder {
     return options_.interrupted != nullptr && options_.interrupted->load();
   }
 
+  // After the call failed with `status`: true once it is time to send it
+  // again (SentAgainAfter), false if it is not to be (another error, failures
+  // in a row for kGiveUpAfter, or with `until_interrupted` a Ctrl-C).
+  bool WaitToSendAgain(const absl::Status& status, bool until_interrupted) {
+    if (!SentAgainAfter(status)) return false;
+    const absl::Time now = absl::Now();
+    if (retry_.wait == absl::ZeroDuration()) {
+      retry_ = {now, kFirstRetryWait};
+    } else {
+      retry_.wait = std::min(retry_.wait * 2, kMaxRetryWait);
+    }
+    if (now + retry_.wait - retry_.first_failure > kGiveUpAfter) return false;
+    const absl::Time until = now + retry_.wait;
+    while (absl::Now() < until) {
+      if (until_interrupted && Interrupted()) return false;
+      absl::SleepFor(std::min(until - absl::Now(), absl::Milliseconds(10)));
+    }
+    return !(until_interrupted && Interrupted());
+  }
+
   // Sends `request`'s rows as the session's next step.
   static absl::StatusOr<v1::AttendResponse> Send(client::Session& session,
                                                  const v1::AttendRequest& request) {
@@ -214,19 +269,21 @@ class Decoder {
   }
 
   bool Prefill(client::Session& session) {
-    const Clock::time_point sent = Clock::now();
-    absl::StatusOr<v1::AttendResponse> answer = Send(session, options_.prefill);
-    result_.sessions.prefill.Record(NanosSince(sent));
-    if (!answer.ok()) {
-      CountFailure(answer.status(), &result_.stats);
-      return false;
+    while (true) {
+      const Clock::time_point sent = Clock::now();
+      absl::StatusOr<v1::AttendResponse> answer = Send(session, options_.prefill);
+      result_.sessions.prefill.Record(NanosSince(sent));
+      if (answer.ok()) break;
+      CountFailedCall(answer.status(), &result_.stats);
+      if (!WaitToSendAgain(answer.status(), /*until_interrupted=*/true)) return false;
     }
+    retry_ = {};
     ++result_.sessions.opened;
     ++result_.sessions.replicas[session.replica()].created;
     return true;
   }
 
-  bool Step(client::Session& session) {
+  absl::Status Step(client::Session& session) {
     cpu_->FirstStep();
     const int64_t sent_ns = NanosSince(start_);
     result_.first_step_ns = std::min(result_.first_step_ns, sent_ns);
@@ -244,7 +301,7 @@ class Decoder {
       timeline_->Answered(done_ns, done_ns - sent_ns, /*ok=*/false, 0);
       CountFailure(answer.status(), &stats);
       lost_ = answer.status().code() == absl::StatusCode::kNotFound;
-      return false;
+      return answer.status();
     }
     stats.server_queue.Record(answer->queue_us() * 1000);
     stats.server_compute.Record(answer->compute_us() * 1000);
@@ -267,7 +324,7 @@ class Decoder {
         static_cast<double>(session.position()) * static_cast<double>(options_.cache_row_bytes);
     result_.sessions.cache_bytes_read += cache_bytes;
     timeline_->Answered(done_ns, done_ns - sent_ns, /*ok=*/true, cache_bytes);
-    return true;
+    return absl::OkStatus();
   }
 
   const SessionLoadOptions& options_;
@@ -279,6 +336,12 @@ class Decoder {
   DecoderResult result_;
   // A step found the session gone (NOT_FOUND): there is nothing to close.
   bool lost_ = false;
+  // The failures in a row of the call being sent again: since when, and the
+  // wait before the next send (zero: none failed).
+  struct {
+    absl::Time first_failure;
+    absl::Duration wait;
+  } retry_;
 };
 
 absl::Status CheckOptions(const SessionLoadOptions& options) {

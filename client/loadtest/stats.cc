@@ -101,6 +101,7 @@ void LoadStats::Merge(const LoadStats& other) {
 void SessionStats::Merge(const SessionStats& other) {
   opened += other.opened;
   closed += other.closed;
+  not_open_at_close += other.not_open_at_close;
   recreations += other.recreations;
   sessions_recreated += other.sessions_recreated;
   for (const auto& [name, replica] : other.replicas) {

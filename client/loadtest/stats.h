@@ -90,9 +90,11 @@ struct SessionStats {
   // x the cache dtype's size.
   int64_t cache_row_bytes = 0;
 
-  // Sessions created by their prefill, and closed at the end.
+  // Sessions created by their prefill; closed at the end, or found no longer
+  // open then (expired, evicted, or on a replica the close did not reach).
   int64_t opened = 0;
   int64_t closed = 0;
+  int64_t not_open_at_close = 0;
   // Steps answered by recreating a lost session from the kept rows, and the
   // sessions recreated at least once.
   int64_t recreations = 0;

@@ -117,6 +117,14 @@ class FakeAttentionServer::AttentionImpl final : public v1::AttentionService::Se
     Record(*context);
     absl::MutexLock lock(&state_->mu);
     state_->close_affinities.push_back(state_->affinity);
+    if (state_->drop_at_close) {
+      state_->drop_at_close = false;
+      state_->sessions.clear();
+    }
+    if (state_->fail_closes > 0) {
+      --state_->fail_closes;
+      return grpc::Status(state_->fail_closes_code, "injected failure of CloseSessions");
+    }
     for (const std::string& id : request->ids()) {
       if (state_->sessions.erase(id) > 0) {
         response->add_closed(id);
@@ -474,6 +482,17 @@ void FakeAttentionServer::HangCall(int64_t call) {
 int64_t FakeAttentionServer::open_sessions() const {
   absl::MutexLock lock(&state_.mu);
   return static_cast<int64_t>(state_.sessions.size());
+}
+
+void FakeAttentionServer::FailCloses(int64_t count, grpc::StatusCode code) {
+  absl::MutexLock lock(&state_.mu);
+  state_.fail_closes = count;
+  state_.fail_closes_code = code;
+}
+
+void FakeAttentionServer::DropSessionsAtNextClose() {
+  absl::MutexLock lock(&state_.mu);
+  state_.drop_at_close = true;
 }
 
 int64_t FakeAttentionServer::closed_sessions() const {

@@ -104,6 +104,12 @@ class FakeAttentionServer {
   // as usual.
   void EndStreamAtCall(int64_t call, grpc::StatusCode code, int64_t count = 1);
 
+  // The next `count` CloseSessions calls fail with `code`, closing nothing.
+  void FailCloses(int64_t count, grpc::StatusCode code);
+  // Every session open when the next CloseSessions call comes is forgotten
+  // just before it is handled, as if it had expired.
+  void DropSessionsAtNextClose();
+
   // Sessions open now.
   int64_t open_sessions() const;
   // Sessions closed by CloseSessions or a request's close.
@@ -168,6 +174,9 @@ class FakeAttentionServer {
     absl::Time stalled_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
     std::map<std::string, FakeSession> sessions ABSL_GUARDED_BY(mu);
     int64_t closed_sessions ABSL_GUARDED_BY(mu) = 0;
+    int64_t fail_closes ABSL_GUARDED_BY(mu) = 0;
+    bool drop_at_close ABSL_GUARDED_BY(mu) = false;
+    grpc::StatusCode fail_closes_code ABSL_GUARDED_BY(mu) = grpc::StatusCode::OK;
     int64_t drop_call ABSL_GUARDED_BY(mu) = 0;
     int64_t rewind_call ABSL_GUARDED_BY(mu) = 0;
     int64_t rewind_rows ABSL_GUARDED_BY(mu) = 0;
