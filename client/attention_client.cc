@@ -57,6 +57,53 @@ const bool kBackupPolling = [] {
   return true;
 }();
 
+// OK, or INVALID_ARGUMENT naming `field` and the first byte that is not
+// part of UTF-8 text, which a proto string field must hold: protobuf sends
+// it anyway (logging an error), and the server, which cannot parse it,
+// answers with a bare status naming nothing.
+absl::Status CheckUtf8(absl::string_view field, absl::string_view text) {
+  const auto byte = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char lead = byte(i);
+    size_t length = 1;
+    uint32_t low = 0, code = lead;
+    if (lead >= 0xc2 && lead <= 0xdf) {
+      length = 2, low = 0x80, code = lead & 0x1f;
+    } else if (lead >= 0xe0 && lead <= 0xef) {
+      length = 3, low = 0x800, code = lead & 0x0f;
+    } else if (lead >= 0xf0 && lead <= 0xf4) {
+      length = 4, low = 0x10000, code = lead & 0x07;
+    } else if (lead >= 0x80) {
+      length = 0;
+    }
+    for (size_t k = 1; length > 0 && k < length; ++k) {
+      if (i + k >= text.size() || (byte(i + k) & 0xc0) != 0x80) {
+        length = 0;
+      } else {
+        code = (code << 6) | (byte(i + k) & 0x3f);
+      }
+    }
+    // Overlong forms, UTF-16 surrogates and code points past U+10FFFF.
+    if (length == 0 || code < low || (code >= 0xd800 && code <= 0xdfff) || code > 0x10ffff) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: byte %d of %d is 0x%02x; not UTF-8 text, which the field must be",
+                          field, i, text.size(), lead));
+    }
+    i += length;
+  }
+  return absl::OkStatus();
+}
+
+// The string fields of an AttendRequest the caller sets: CheckUtf8.
+absl::Status CheckRequestText(const v1::AttendRequest& request) {
+  ATTN_RETURN_IF_ERROR(CheckUtf8("id", request.id()));
+  ATTN_RETURN_IF_ERROR(CheckUtf8("model", request.model()));
+  for (int i = 0; i < request.session().ids_size(); ++i) {
+    ATTN_RETURN_IF_ERROR(CheckUtf8(absl::StrCat("session.ids[", i, "]"), request.session().ids(i)));
+  }
+  return absl::OkStatus();
+}
+
 // gRPC caps a retry policy's maxAttempts at 5.
 constexpr int kMaxAttempts = 5;
 
@@ -334,6 +381,7 @@ absl::StatusOr<v1::AttendResponse> AttendStream::Call(const v1::AttendRequest& r
     return absl::FailedPreconditionError(
         absl::StrCat("the AttendStream has ended: ", s.ended.ToString()));
   }
+  ATTN_RETURN_IF_ERROR(CheckRequestText(request));
   const std::optional<std::chrono::system_clock::time_point> deadline = s.Deadline();
   const auto timed_out = [&s](absl::string_view what, absl::string_view why = "") {
     return s.End(/*cancel=*/true,
@@ -474,6 +522,7 @@ AttentionClient::AttentionClient(const ClientOptions& options,
 
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request,
                                                            const CallOptions& call) {
+  ATTN_RETURN_IF_ERROR(CheckRequestText(request));
   const absl::string_view first =
       request.session().ids().empty() ? absl::string_view() : request.session().ids(0);
   return Call<v1::AttendResponse>(options_, *stub_, &v1::AttentionService::Stub::Attend, request,
@@ -496,6 +545,7 @@ absl::StatusOr<v1::ListModelsResponse> AttentionClient::ListModels() {
 }
 
 absl::StatusOr<v1::GetModelResponse> AttentionClient::GetModel(const std::string& name) {
+  ATTN_RETURN_IF_ERROR(CheckUtf8("name", name));
   v1::GetModelRequest request;
   request.set_name(name);
   return Call<v1::GetModelResponse>(options_, *stub_, &v1::AttentionService::Stub::GetModel,
@@ -504,6 +554,9 @@ absl::StatusOr<v1::GetModelResponse> AttentionClient::GetModel(const std::string
 
 absl::StatusOr<v1::CloseSessionsResponse> AttentionClient::CloseSessions(
     const std::vector<std::string>& ids, const CallOptions& call) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ATTN_RETURN_IF_ERROR(CheckUtf8(absl::StrCat("ids[", i, "]"), ids[i]));
+  }
   if (!call.affinity.empty() || ids.size() <= 1) {
     v1::CloseSessionsRequest request;
     request.mutable_ids()->Assign(ids.begin(), ids.end());
@@ -529,6 +582,7 @@ absl::StatusOr<v1::CloseSessionsResponse> AttentionClient::CloseSessions(
 
 absl::StatusOr<v1::SessionInfo> AttentionClient::GetSession(const std::string& id,
                                                             const CallOptions& call) {
+  ATTN_RETURN_IF_ERROR(CheckUtf8("id", id));
   v1::GetSessionRequest request;
   request.set_id(id);
   return Call<v1::SessionInfo>(options_, *stub_, &v1::AttentionService::Stub::GetSession, request,

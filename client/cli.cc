@@ -22,7 +22,9 @@
 #include "client/attention_client.h"
 #include "client/tensors.h"
 #include "common/status_macros.h"
+#include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
+#include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace attention::client {
@@ -201,6 +203,92 @@ absl::StatusOr<std::string> ReadInput(const std::string& input, std::istream& in
   return text;
 }
 
+// What a JSON value is, for errors.
+const char* JsonKind(const google::protobuf::Value& value) {
+  switch (value.kind_case()) {
+    case google::protobuf::Value::kNullValue:
+      return "null";
+    case google::protobuf::Value::kNumberValue:
+      return "a number";
+    case google::protobuf::Value::kStringValue:
+      return "a string";
+    case google::protobuf::Value::kBoolValue:
+      return "true or false";
+    case google::protobuf::Value::kStructValue:
+      return "an object";
+    case google::protobuf::Value::kListValue:
+      return "a list";
+    default:
+      return "nothing";
+  }
+}
+
+absl::Status CheckJsonTypes(const google::protobuf::Value& value,
+                            const google::protobuf::Descriptor& message, const std::string& path);
+
+// One value of `field` (an element, for a repeated one).
+absl::Status CheckJsonValue(const google::protobuf::Value& value,
+                            const google::protobuf::FieldDescriptor& field,
+                            const std::string& path) {
+  using google::protobuf::FieldDescriptor;
+  using google::protobuf::Value;
+  const Value::KindCase kind = value.kind_case();
+  if (kind == Value::kNullValue) return absl::OkStatus();  // the field's default
+  const char* want = nullptr;
+  switch (field.cpp_type()) {
+    case FieldDescriptor::CPPTYPE_BOOL:
+      if (kind != Value::kBoolValue) want = "true or false";
+      break;
+    case FieldDescriptor::CPPTYPE_STRING:
+      if (kind != Value::kStringValue) want = "a string";
+      break;
+    case FieldDescriptor::CPPTYPE_ENUM:
+      if (kind != Value::kStringValue && kind != Value::kNumberValue) want = "a name or number";
+      break;
+    case FieldDescriptor::CPPTYPE_MESSAGE:
+      if (field.message_type()->file()->package() == "google.protobuf") return absl::OkStatus();
+      return CheckJsonTypes(value, *field.message_type(), path);
+    default:  // numbers; JSON also writes them as strings ("12", "NaN")
+      if (kind != Value::kNumberValue && kind != Value::kStringValue) want = "a number";
+  }
+  if (want == nullptr) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": ", JsonKind(value), " where the field takes ", want));
+}
+
+// protobuf's JSON parser (3.21) takes a number or any string for a bool (0
+// read as true, "no" as false) and a lone value for a list: each field's
+// JSON type is checked first. Unknown fields are left to the parser.
+absl::Status CheckJsonTypes(const google::protobuf::Value& value,
+                            const google::protobuf::Descriptor& message, const std::string& path) {
+  if (value.kind_case() != google::protobuf::Value::kStructValue) {
+    return absl::InvalidArgumentError(absl::StrCat(path.empty() ? "the request" : path, ": ",
+                                                   JsonKind(value), " where ", message.name(),
+                                                   " takes an object"));
+  }
+  for (const auto& [name, field_value] : value.struct_value().fields()) {
+    const google::protobuf::FieldDescriptor* field = message.FindFieldByName(name);
+    if (field == nullptr) field = message.FindFieldByCamelcaseName(name);
+    if (field == nullptr || field->is_map()) continue;
+    const std::string field_path = path.empty() ? name : absl::StrCat(path, ".", name);
+    if (!field->is_repeated()) {
+      ATTN_RETURN_IF_ERROR(CheckJsonValue(field_value, *field, field_path));
+      continue;
+    }
+    if (field_value.kind_case() == google::protobuf::Value::kNullValue) continue;
+    if (field_value.kind_case() != google::protobuf::Value::kListValue) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field_path, ": ", JsonKind(field_value), " where the field takes a list"));
+    }
+    const auto& elements = field_value.list_value().values();
+    for (int i = 0; i < elements.size(); ++i) {
+      ATTN_RETURN_IF_ERROR(
+          CheckJsonValue(elements[i], *field, absl::StrCat(field_path, "[", i, "]")));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::AttendRequest> ParseRequest(const std::string& input, const std::string& text) {
   const std::string source = input == "-" ? "standard input" : input;
   if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
@@ -210,7 +298,15 @@ absl::StatusOr<v1::AttendRequest> ParseRequest(const std::string& input, const s
   v1::AttendRequest request;
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = false;
-  const auto status = google::protobuf::util::JsonStringToMessage(text, &request, options);
+  google::protobuf::Value json;
+  auto status = google::protobuf::util::JsonStringToMessage(text, &json, options);
+  if (status.ok()) {
+    if (absl::Status types = CheckJsonTypes(json, *request.GetDescriptor(), ""); !types.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": not an AttendRequest in JSON: ", types.message()));
+    }
+    status = google::protobuf::util::JsonStringToMessage(text, &request, options);
+  }
   if (!status.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": not an AttendRequest in JSON: ", std::string(status.message())));

@@ -198,6 +198,31 @@ TEST_F(AttentionClientTest, TimeoutBecomesDeadlineExceeded) {
   EXPECT_THAT(client->Attend(request), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
 }
 
+// protobuf sent such strings anyway, and the server answered a bare status
+// naming nothing ("UNIMPLEMENTED: ").
+TEST_F(AttentionClientTest, TextThatIsNotUtf8IsRefusedNamingTheField) {
+  std::unique_ptr<AttentionClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const auto invalid = [](const std::string& text) {
+    return StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(text));
+  };
+  EXPECT_THAT(client->GetSession("id\xff"),
+              invalid("id: byte 2 of 3 is 0xff; not UTF-8 text, which the field must be"));
+  EXPECT_THAT(client->CloseSessions({"ok", "\xc0\x80"}), invalid("ids[1]: byte 0 of 2 is 0xc0"));
+  EXPECT_THAT(client->GetModel("\xed\xa0\x80"), invalid("name: byte 0 of 3 is 0xed"));
+  v1::AttendRequest request;
+  request.mutable_session()->add_ids("a");
+  request.mutable_session()->add_ids("b\xf4\x90\x80\x80");
+  EXPECT_THAT(client->Attend(request), invalid("session.ids[1]: byte 1 of 5 is 0xf4"));
+  request.mutable_session()->clear_ids();
+  request.set_model("m\xe2\x82");
+  EXPECT_THAT(client->OpenStream()->Call(request), invalid("model: byte 1 of 3 is 0xe2"));
+  EXPECT_EQ(server_.attend_calls(), 0);
+  // Text in any script is UTF-8: it reaches the server.
+  EXPECT_THAT(client->GetSession("mod\xc3\xa8le-\xe6\x97\xa5-\xf0\x9f\x98\x80"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("")));
+}
+
 TEST_F(AttentionClientTest, SendsBearerTokenOnlyWhenSet) {
   ClientOptions options;
   options.bearer_token = "s3cret";

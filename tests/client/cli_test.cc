@@ -243,6 +243,36 @@ TEST(RunCliTest, WrongJsonTypeIsRejected) {
   EXPECT_THAT(result.err, AllOf(IsErrorLine("error: INVALID_ARGUMENT: "), HasSubstr("two")));
 }
 
+// protobuf's parser read "no" as false and "yes" as true for a bool, a lone
+// string as a list of one, and created a session from {"create": "yes"}.
+TEST(RunCliTest, JsonTypesTheParserWouldBendAreRejected) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"need_weights": "yes"})", "need_weights: a string where the field takes true or false"},
+      {R"({"session": {"ids": "X", "create": true}})",
+       "session.ids: a string where the field takes a list"},
+      {R"({"session": {"ids": ["X"], "create": "no"}})",
+       "session.create: a string where the field takes true or false"},
+      {R"({"query": {"shape": [1, 1, 2], "floatData": [1, true]}})",
+       "query.floatData[1]: true or false where the field takes a number"},
+      {R"({"query": 3})", "query: a number where Tensor takes an object"},
+      {R"([{"id": "x"}])", "the request: a list where AttendRequest takes an object"},
+  };
+  for (const auto& [json, message] : cases) {
+    CliResult result = RunCliOn({"--target", "127.0.0.1:1", "call"}, json);
+    EXPECT_EQ(result.code, kCliError) << json;
+    EXPECT_THAT(result.err, IsErrorLine(absl::StrCat("error: INVALID_ARGUMENT: standard input: not "
+                                                     "an AttendRequest in JSON: ",
+                                                     message)))
+        << json;
+  }
+  // What JSON may write as strings still parses: 64-bit integers, NaN, enums.
+  CliResult fine = RunCliOn({"--target", "127.0.0.1:1", "--timeout", "1ms", "call"},
+                            R"({"query": {"shape": ["1", 1, 2], "float_data": ["NaN", 1]},
+                                "num_heads": "1", "mask": {"causal": "BOTTOM_RIGHT"},
+                                "need_weights": null})");
+  EXPECT_THAT(fine.err, Not(HasSubstr("not an AttendRequest")));
+}
+
 TEST(RunCliTest, EmptyInputIsRejected) {
   CliResult result = RunCliOn({"call"}, "  \n");
   EXPECT_EQ(result.code, kCliError);
