@@ -172,11 +172,11 @@ class RemoteMultiheadAttentionTest(unittest.TestCase):
                              local(tgt, memory, tgt_mask=causal, memory_key_padding_mask=padding))
 
     def test_a_client_with_tls_but_no_ca_does_not_pickle(self):
-        # Its client certificate is not saved: loaded, the client would not
-        # use TLS at all.
+        # TLS on the system's roots (and any client certificate, which is not
+        # saved): loaded, the client would not use TLS at all.
         remote = RemoteMultiheadAttention(server.target, "cross", batch_first=True)
         remote.client.close()
-        remote.client = attention_client.Client(server.target, tls_cert=b"cert", tls_key=b"key")
+        remote.client = attention_client.Client(server.target, tls_server_name="localhost")
         with self.assertRaises(attention_client.AttentionError) as e:
             pickle.dumps(remote)
         self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
