@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "common/metadata.h"
 #include "common/status_macros.h"
+#include "common/tls_files.h"
 #include "grpc/grpc.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
@@ -151,12 +152,20 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   grpc::SslCredentialsOptions ssl;
   if (!options.tls_ca_file.empty()) {
     ATTN_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadOptionFile("tls_ca_file", options.tls_ca_file));
+    ATTN_RETURN_IF_ERROR(
+        CheckHoldsCertificate({"tls_ca_file", options.tls_ca_file, ssl.pem_root_certs}));
   }
   if (!options.tls_cert_file.empty()) {
     ATTN_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
                           ReadOptionFile("tls_cert_file", options.tls_cert_file));
     ATTN_ASSIGN_OR_RETURN(ssl.pem_private_key,
                           ReadOptionFile("tls_key_file", options.tls_key_file));
+    // A key of another certificate, or an encrypted one, failed every call
+    // "UNAVAILABLE: empty address list"; an expired certificate, every
+    // handshake, the server closing the connection.
+    ATTN_RETURN_IF_ERROR(
+        CheckKeyPair({"tls_cert_file", options.tls_cert_file, ssl.pem_cert_chain},
+                     {"tls_key_file", options.tls_key_file, ssl.pem_private_key}));
   }
   return grpc::SslCredentials(ssl);
 }

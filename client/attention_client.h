@@ -141,7 +141,9 @@ class AttentionClient {
   // [1, 2047], a max_attempts outside [1, 5], reconnect backoffs that are not
   // positive and finite (or initial > max), a bearer_token a header cannot
   // carry, only one of tls_cert_file and tls_key_file, or a TLS file that
-  // cannot be read, is empty or is not PEM (naming it). Connects
+  // cannot be read, is empty or is not PEM, a tls_ca_file or tls_cert_file
+  // holding no certificate, a tls_key_file that is encrypted or not the
+  // certificate's, or an expired certificate (naming it). Connects
   // lazily: an unreachable target or a failed TLS handshake fails the first
   // call with UNAVAILABLE.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(const ClientOptions& options);

@@ -1,16 +1,9 @@
 #include "server/security.h"
 
-#include <openssl/asn1.h>
-#include <openssl/bio.h>
-#include <openssl/err.h>
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -24,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
+#include "common/tls_files.h"
 #include "grpc/grpc_security_constants.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_context.h"
@@ -48,65 +42,6 @@ absl::StatusOr<std::string> ReadFlagFile(absl::string_view flag, const std::stri
   return contents;
 }
 
-struct BioDeleter {
-  void operator()(BIO* bio) const { BIO_free(bio); }
-};
-struct X509Deleter {
-  void operator()(X509* cert) const { X509_free(cert); }
-};
-struct KeyDeleter {
-  void operator()(EVP_PKEY* key) const { EVP_PKEY_free(key); }
-};
-using Bio = std::unique_ptr<BIO, BioDeleter>;
-using Certificate = std::unique_ptr<X509, X509Deleter>;
-using PrivateKey = std::unique_ptr<EVP_PKEY, KeyDeleter>;
-
-Bio MemoryBio(const std::string& pem) {
-  return Bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
-}
-
-// Never asks for a passphrase: encrypted keys fail to load.
-int NoPassphrase(char*, int, int, void*) { return -1; }
-
-// The first certificate in `pem`; INVALID_ARGUMENT when there is none.
-absl::StatusOr<Certificate> FirstCertificate(absl::string_view flag, const std::string& path,
-                                             const std::string& pem) {
-  Bio bio = MemoryBio(pem);
-  Certificate cert(PEM_read_bio_X509(bio.get(), nullptr, NoPassphrase, nullptr));
-  ERR_clear_error();
-  if (cert == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": ", path, " holds no PEM certificate (BEGIN CERTIFICATE)"));
-  }
-  return cert;
-}
-
-absl::StatusOr<PrivateKey> ParsePrivateKey(const std::string& path, const std::string& pem) {
-  Bio bio = MemoryBio(pem);
-  PrivateKey key(PEM_read_bio_PrivateKey(bio.get(), nullptr, NoPassphrase, nullptr));
-  ERR_clear_error();
-  if (key == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kKeyFlag, ": ", path, " holds no unencrypted PEM private key (BEGIN PRIVATE KEY)"));
-  }
-  return key;
-}
-
-// An expired certificate fails every handshake (clients: "certificate verify
-// failed") while the server looks healthy to its probes: refused at start.
-absl::Status CheckNotExpired(const std::string& path, const X509& cert) {
-  const ASN1_TIME* not_after = X509_get0_notAfter(&cert);
-  if (X509_cmp_current_time(not_after) >= 0) return absl::OkStatus();
-  std::tm when{};
-  char text[32] = "an unreadable date";
-  if (ASN1_TIME_to_tm(not_after, &when) == 1) {
-    std::strftime(text, sizeof text, "%Y-%m-%d %H:%M:%S UTC", &when);
-  }
-  ERR_clear_error();
-  return absl::InvalidArgumentError(
-      absl::StrCat(kCertFlag, ": ", path, " expired on ", text, "; clients refuse it"));
-}
-
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
@@ -125,22 +60,14 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   }
   ATTN_ASSIGN_OR_RETURN(std::string cert_pem, ReadFlagFile(kCertFlag, cert_file));
   ATTN_ASSIGN_OR_RETURN(std::string key_pem, ReadFlagFile(kKeyFlag, key_file));
-  ATTN_ASSIGN_OR_RETURN(Certificate cert, FirstCertificate(kCertFlag, cert_file, cert_pem));
-  ATTN_RETURN_IF_ERROR(CheckNotExpired(cert_file, *cert));
-  ATTN_ASSIGN_OR_RETURN(PrivateKey key, ParsePrivateKey(key_file, key_pem));
-  const bool matches = X509_check_private_key(cert.get(), key.get()) == 1;
-  ERR_clear_error();
-  if (!matches) {
-    return absl::InvalidArgumentError(absl::StrCat(kKeyFlag, ": ", key_file,
-                                                   " is not the key of the certificate in ",
-                                                   kCertFlag, " ", cert_file));
-  }
+  ATTN_RETURN_IF_ERROR(
+      CheckKeyPair({kCertFlag, cert_file, cert_pem}, {kKeyFlag, key_file, key_pem}));
 
   grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   if (!client_ca_file.empty()) {
     ATTN_ASSIGN_OR_RETURN(options.pem_root_certs, ReadFlagFile(kClientCaFlag, client_ca_file));
     ATTN_RETURN_IF_ERROR(
-        FirstCertificate(kClientCaFlag, client_ca_file, options.pem_root_certs).status());
+        CheckHoldsCertificate({kClientCaFlag, client_ca_file, options.pem_root_certs}));
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   options.pem_key_cert_pairs.push_back({std::move(key_pem), std::move(cert_pem)});

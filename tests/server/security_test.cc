@@ -204,18 +204,62 @@ TEST_F(MakeServerCredentialsTest, RejectsAKeyOfAnotherCertificate) {
                              HasSubstr(certs().server_cert()))));
 }
 
+// Runs `command` (shell words) with openssl in the certificates' folder;
+// `made` is its output file there.
+void MakeWithOpenssl(const TlsCerts& certs, const std::string& command) {
+  const std::string line =
+      absl::StrCat("cd '", certs.dir(), "' && openssl ", command, " > openssl_extra.log 2>&1");
+  ASSERT_EQ(std::system(line.c_str()), 0) << line;
+}
+
 TEST_F(MakeServerCredentialsTest, RejectsAnExpiredCertificate) {
   // Served, it failed every handshake while the server looked healthy.
   const std::string expired = certs().Path("expired.pem");
-  const std::string command = absl::StrCat(
-      "cd '", certs().dir(),
-      "' && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -set_serial 9 -days -1 "
-      "-out expired.pem > expired.log 2>&1");
-  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  MakeWithOpenssl(certs(),
+                  "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -set_serial 9 -days -1 "
+                  "-out expired.pem");
   EXPECT_THAT(MakeServerCredentials(expired, certs().server_key(), ""),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr(absl::StrCat("--tls_cert: ", expired, " expired on ")),
-                             HasSubstr(" UTC; clients refuse it"))));
+                             HasSubstr(" UTC; the peer refuses it"))));
+}
+
+// The client's own files, checked when it is made: gRPC failed every call
+// with them "UNAVAILABLE: empty address list" (a CA file holding a key, a
+// key of another certificate, an encrypted key), or every handshake (an
+// expired client certificate: the server closes the connection).
+using ClientTlsFilesTest = CertsSuite;
+
+TEST_F(ClientTlsFilesTest, FilesGrpcCannotUseAreRefusedNamingThem) {
+  MakeWithOpenssl(certs(), "pkey -in client.key -aes256 -passout pass:x -out encrypted.key");
+  MakeWithOpenssl(certs(),
+                  "x509 -req -in client.csr -CA ca.pem -CAkey ca.key -set_serial 10 -days -1 "
+                  "-out client_expired.pem");
+  const auto refused = [](client::ClientOptions options, const std::string& text) {
+    options.target = "127.0.0.1:1";
+    EXPECT_THAT(client::AttentionClient::Create(options),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(text)));
+  };
+  client::ClientOptions options;
+  options.tls_ca_file = certs().server_key();
+  refused(options, absl::StrCat("tls_ca_file: ", certs().server_key(),
+                                " holds no PEM certificate (BEGIN CERTIFICATE)"));
+  options.tls_ca_file = certs().ca_cert();
+  options.tls_cert_file = certs().client_cert();
+  options.tls_key_file = certs().stranger_key();
+  refused(options, absl::StrCat("tls_key_file: ", certs().stranger_key(),
+                                " is not the key of the certificate in tls_cert_file ",
+                                certs().client_cert()));
+  options.tls_key_file = certs().Path("encrypted.key");
+  refused(options, "encrypted.key holds no unencrypted PEM private key");
+  options.tls_cert_file = certs().client_key();
+  options.tls_key_file = certs().client_key();
+  refused(options, absl::StrCat("tls_cert_file: ", certs().client_key(), " holds no PEM certificate"));
+  options.tls_cert_file = certs().Path("client_expired.pem");
+  refused(options, "client_expired.pem expired on ");
+  options.tls_cert_file = certs().client_cert();
+  options.target = "127.0.0.1:1";
+  EXPECT_THAT(client::AttentionClient::Create(options), IsOk());
 }
 
 // --- End to end: a gRPC server with these credentials and TokenAuth ------------------
