@@ -427,6 +427,21 @@ TEST_F(LoadtestBinaryTest, ABadCommandLineExitsWithOne) {
   EXPECT_THAT(outcome.err, HasSubstr("unexpected argument \"extra\""));
 }
 
+// gRPC's own log lines (a failed handshake logs an ERROR per attempt) broke
+// into the progress line and the summary; GRPC_VERBOSITY keeps them.
+TEST_F(LoadtestBinaryTest, GrpcsOwnLogLinesAreLeftOutUnlessAsked) {
+  const std::string args = absl::StrCat("--target ", first_.address(),
+                                        " --tls_server_name localhost --connect_timeout 1s "
+                                        "--requests 1 --transport grpc --progress=false");
+  const Outcome quiet = RunBinary(args);
+  EXPECT_EQ(quiet.exit_code, kExitSetup);
+  EXPECT_EQ(quiet.err, absl::StrCat("error: cannot connect to ", first_.address(), " within 1s\n"));
+  const Outcome verbose = testing::RunCommand(
+      absl::StrCat("GRPC_VERBOSITY=ERROR ", kEnvironment, ATTENTION_LOADTEST_BIN, " ", args),
+      MakeTempDir("verbose"));
+  EXPECT_THAT(verbose.err, HasSubstr("Handshake failed"));
+}
+
 // The header of --csv was looked for by reading the file first: /dev/stdout
 // under a pipe is the tester's own output, and it waited for it for ever.
 TEST_F(LoadtestBinaryTest, CsvToAPipeGetsTheHeaderAndTheRow) {
