@@ -419,6 +419,9 @@ absl::Status CheckSharedFlags(const LoadtestConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat("--transport: \"", config.transport, "\" is not one of auto, grpc and h2"));
   }
+  // Before any connection (a model's lookup), so that the flags' conflict is
+  // what is said, not a connection failing.
+  if (config.transport == "h2") ATTN_RETURN_IF_ERROR(CheckH2Carries(config.stream, config.client));
   ATTN_RETURN_IF_ERROR(CheckConnectionsAndThreads(config.connections, config.threads));
   if (config.timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -1227,18 +1227,21 @@ absl::Status CheckOptions(const RunOptions& options) {
   if (options.schedule.length() == absl::InfiniteDuration() && options.max_requests == 0) {
     return absl::InvalidArgumentError("an unbounded schedule needs max_requests");
   }
-  if (options.transport == Transport::kH2) {
-    if (options.stream) {
-      return absl::InvalidArgumentError("--transport h2 sends unary calls; --stream needs grpc");
-    }
-    if (options.client.UsesTls()) {
-      return absl::InvalidArgumentError("--transport h2 is plaintext only; TLS needs grpc");
-    }
-  }
+  if (options.transport == Transport::kH2) return CheckH2Carries(options.stream, options.client);
   return absl::OkStatus();
 }
 
 }  // namespace
+
+absl::Status CheckH2Carries(bool stream, const client::ClientOptions& client) {
+  if (stream) {
+    return absl::InvalidArgumentError("--transport h2 sends unary calls; --stream needs grpc");
+  }
+  if (client.UsesTls()) {
+    return absl::InvalidArgumentError("--transport h2 is plaintext only; TLS needs grpc");
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckConnectionsAndThreads(int64_t connections, int64_t threads) {
   if (connections < 1 || connections > kMaxConnections) {

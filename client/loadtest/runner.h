@@ -60,6 +60,10 @@ inline constexpr int kMaxThreads = 64;
 // INVALID_ARGUMENT naming --connections or --threads outside those ranges.
 absl::Status CheckConnectionsAndThreads(int64_t connections, int64_t threads);
 
+// OK, or INVALID_ARGUMENT when the h2 transport cannot carry the run: it
+// sends plaintext unary calls only.
+absl::Status CheckH2Carries(bool stream, const client::ClientOptions& client);
+
 // How calls travel: gRPC's C++ client, or HTTP/2 through nghttp2
 // (h2_transport.h: plaintext unary calls to HOST:PORT targets, about a third
 // of the CPU per call).

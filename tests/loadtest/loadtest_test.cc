@@ -342,6 +342,24 @@ TEST(LoadtestFlagsTest, RateAndConcurrencyTakeTheSchedulesLimits) {
   });
 }
 
+// Said before a model's lookup, which failed to connect first and said so.
+TEST(LoadtestFlagsTest, WhatH2CannotCarryIsSaidBeforeAnyConnection) {
+  ExpectRefusedBeforeAnyCall({
+      {[](LoadtestConfig& c) {
+         c.transport = "h2";
+         c.shape.model = "demo";
+         c.client.tls_ca_file = "/nonexistent/ca.pem";
+       },
+       "--transport h2 is plaintext only; TLS needs grpc"},
+      {[](LoadtestConfig& c) {
+         c.transport = "h2";
+         c.shape.model = "demo";
+         c.stream = true;
+       },
+       "--transport h2 sends unary calls; --stream needs grpc"},
+  });
+}
+
 // The flags both kinds of run take (--sessions has its own cases in
 // sessions_test.cc), and the request's dims, name the flag and the exact
 // limit.
