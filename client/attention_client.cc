@@ -108,11 +108,9 @@ absl::Status CheckRequestText(const v1::AttendRequest& request) {
 // gRPC caps a retry policy's maxAttempts at 5.
 constexpr int kMaxAttempts = 5;
 
-// The whole of `path`, a PEM file; INVALID_ARGUMENT naming `option` and the
-// file when it cannot be read, is empty (gRPC would take an empty CA list for
-// the system's roots, and an empty key for no client certificate) or is not
-// PEM.
-absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::string& path) {
+// The whole of the file at `path`, named by `option`; INVALID_ARGUMENT
+// "<option>: cannot read <path>: <why>".
+absl::StatusOr<std::string> ReadWholeFile(absl::string_view option, const std::string& path) {
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) {
     return absl::InvalidArgumentError(
@@ -128,6 +126,15 @@ absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::
     return absl::InvalidArgumentError(
         absl::StrCat(option, ": cannot read ", path, ": ", std::strerror(errno)));
   }
+  return contents;
+}
+
+// The whole of `path`, a PEM file; INVALID_ARGUMENT naming `option` and the
+// file when it cannot be read, is empty (gRPC would take an empty CA list for
+// the system's roots, and an empty key for no client certificate) or is not
+// PEM.
+absl::StatusOr<std::string> ReadOptionFile(absl::string_view option, const std::string& path) {
+  ATTN_ASSIGN_OR_RETURN(std::string contents, ReadWholeFile(option, path));
   if (contents.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(option, ": ", path, " is empty"));
   }
@@ -453,18 +460,7 @@ absl::Status CheckBearerToken(absl::string_view token) {
 }
 
 absl::StatusOr<std::string> ReadBearerTokenFile(absl::string_view option, const std::string& path) {
-  std::error_code error;
-  if (std::filesystem::is_directory(path, error)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(option, ": cannot read ", path, ": it is a directory"));
-  }
-  std::ifstream in(path, std::ios::binary);
-  std::string contents;
-  if (in) contents.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  if (!in || in.bad()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(option, ": cannot read ", path, ": ", std::strerror(errno)));
-  }
+  ATTN_ASSIGN_OR_RETURN(const std::string contents, ReadWholeFile(option, path));
   const absl::string_view token = absl::StripAsciiWhitespace(contents);
   if (token.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(option, ": ", path, " holds no token"));
