@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -24,7 +25,6 @@
 #include "common/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
-#include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace attention::client {
@@ -203,70 +203,106 @@ absl::StatusOr<std::string> ReadInput(const std::string& input, std::istream& in
   return text;
 }
 
-// What a JSON value is, for errors.
-const char* JsonKind(const google::protobuf::Value& value) {
-  switch (value.kind_case()) {
-    case google::protobuf::Value::kNullValue:
-      return "null";
-    case google::protobuf::Value::kNumberValue:
-      return "a number";
-    case google::protobuf::Value::kStringValue:
-      return "a string";
-    case google::protobuf::Value::kBoolValue:
-      return "true or false";
-    case google::protobuf::Value::kStructValue:
-      return "an object";
-    case google::protobuf::Value::kListValue:
-      return "a list";
-    default:
-      return "nothing";
-  }
-}
+// A JSON value as protobuf parses it, into a google.protobuf.Value, read
+// through reflection only: Debian's libprotobuf is built without TSan, and
+// under -fsanitize=thread protobuf's headers lay its classes out otherwise,
+// so the well-known types' inline accessors read garbage in a TSan build.
+class JsonValue {
+ public:
+  explicit JsonValue(const google::protobuf::Message& value)
+      : value_(value), reflection_(*value.GetReflection()) {}
 
-absl::Status CheckJsonTypes(const google::protobuf::Value& value,
-                            const google::protobuf::Descriptor& message, const std::string& path);
+  // "null_value", "number_value", "string_value", "bool_value",
+  // "struct_value" or "list_value" (Value's oneof).
+  std::string Kind() const {
+    const google::protobuf::FieldDescriptor* set = reflection_.GetOneofFieldDescriptor(
+        value_, value_.GetDescriptor()->FindOneofByName("kind"));
+    return set == nullptr ? "" : set->name();
+  }
+
+  // What it is, for errors.
+  const char* Describe() const {
+    const std::string kind = Kind();
+    if (kind == "number_value") return "a number";
+    if (kind == "string_value") return "a string";
+    if (kind == "bool_value") return "true or false";
+    if (kind == "struct_value") return "an object";
+    if (kind == "list_value") return "a list";
+    return "null";
+  }
+
+  // An object's members (key, value), or a list's elements (key empty).
+  std::vector<std::pair<std::string, JsonValue>> Members() const {
+    const std::string kind = Kind();
+    std::vector<std::pair<std::string, JsonValue>> members;
+    if (kind != "struct_value" && kind != "list_value") return members;
+    const google::protobuf::Message& inner =
+        reflection_.GetMessage(value_, value_.GetDescriptor()->FindFieldByName(kind));
+    const google::protobuf::Reflection& reflection = *inner.GetReflection();
+    const google::protobuf::FieldDescriptor* repeated =
+        inner.GetDescriptor()->FindFieldByName(kind == "struct_value" ? "fields" : "values");
+    for (int i = 0; i < reflection.FieldSize(inner, repeated); ++i) {
+      const google::protobuf::Message& item = reflection.GetRepeatedMessage(inner, repeated, i);
+      if (kind == "list_value") {
+        members.emplace_back("", JsonValue(item));
+        continue;
+      }
+      // A map's entry: key and value.
+      const google::protobuf::Descriptor& entry = *item.GetDescriptor();
+      members.emplace_back(
+          item.GetReflection()->GetString(item, entry.FindFieldByName("key")),
+          JsonValue(item.GetReflection()->GetMessage(item, entry.FindFieldByName("value"))));
+    }
+    return members;
+  }
+
+ private:
+  const google::protobuf::Message& value_;
+  const google::protobuf::Reflection& reflection_;
+};
+
+absl::Status CheckJsonTypes(const JsonValue& value, const google::protobuf::Descriptor& message,
+                            const std::string& path);
 
 // One value of `field` (an element, for a repeated one).
-absl::Status CheckJsonValue(const google::protobuf::Value& value,
-                            const google::protobuf::FieldDescriptor& field,
+absl::Status CheckJsonValue(const JsonValue& value, const google::protobuf::FieldDescriptor& field,
                             const std::string& path) {
   using google::protobuf::FieldDescriptor;
-  using google::protobuf::Value;
-  const Value::KindCase kind = value.kind_case();
-  if (kind == Value::kNullValue) return absl::OkStatus();  // the field's default
+  const std::string kind = value.Kind();
+  if (kind == "null_value") return absl::OkStatus();  // the field's default
   const char* want = nullptr;
   switch (field.cpp_type()) {
     case FieldDescriptor::CPPTYPE_BOOL:
-      if (kind != Value::kBoolValue) want = "true or false";
+      if (kind != "bool_value") want = "true or false";
       break;
     case FieldDescriptor::CPPTYPE_STRING:
-      if (kind != Value::kStringValue) want = "a string";
+      if (kind != "string_value") want = "a string";
       break;
     case FieldDescriptor::CPPTYPE_ENUM:
-      if (kind != Value::kStringValue && kind != Value::kNumberValue) want = "a name or number";
+      if (kind != "string_value" && kind != "number_value") want = "a name or number";
       break;
     case FieldDescriptor::CPPTYPE_MESSAGE:
       if (field.message_type()->file()->package() == "google.protobuf") return absl::OkStatus();
       return CheckJsonTypes(value, *field.message_type(), path);
     default:  // numbers; JSON also writes them as strings ("12", "NaN")
-      if (kind != Value::kNumberValue && kind != Value::kStringValue) want = "a number";
+      if (kind != "number_value" && kind != "string_value") want = "a number";
   }
   if (want == nullptr) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat(path, ": ", JsonKind(value), " where the field takes ", want));
+      absl::StrCat(path, ": ", value.Describe(), " where the field takes ", want));
 }
 
 // protobuf's JSON parser (3.21) takes a number or any string for a bool (0
 // read as true, "no" as false) and a lone value for a list: each field's
 // JSON type is checked first. Unknown fields are left to the parser.
-absl::Status CheckJsonTypes(const google::protobuf::Value& value,
-                            const google::protobuf::Descriptor& message, const std::string& path) {
-  if (value.kind_case() != google::protobuf::Value::kStructValue) {
+absl::Status CheckJsonTypes(const JsonValue& value, const google::protobuf::Descriptor& message,
+                            const std::string& path) {
+  if (value.Kind() != "struct_value") {
     return absl::InvalidArgumentError(absl::StrCat(path.empty() ? "the request" : path, ": ",
-                                                   JsonKind(value), " where ", message.name(),
+                                                   value.Describe(), " where ", message.name(),
                                                    " takes an object"));
   }
-  for (const auto& [name, field_value] : value.struct_value().fields()) {
+  for (const auto& [name, field_value] : value.Members()) {
     const google::protobuf::FieldDescriptor* field = message.FindFieldByName(name);
     if (field == nullptr) field = message.FindFieldByCamelcaseName(name);
     if (field == nullptr || field->is_map()) continue;
@@ -275,15 +311,16 @@ absl::Status CheckJsonTypes(const google::protobuf::Value& value,
       ATTN_RETURN_IF_ERROR(CheckJsonValue(field_value, *field, field_path));
       continue;
     }
-    if (field_value.kind_case() == google::protobuf::Value::kNullValue) continue;
-    if (field_value.kind_case() != google::protobuf::Value::kListValue) {
+    const std::string kind = field_value.Kind();
+    if (kind == "null_value") continue;
+    if (kind != "list_value") {
       return absl::InvalidArgumentError(
-          absl::StrCat(field_path, ": ", JsonKind(field_value), " where the field takes a list"));
+          absl::StrCat(field_path, ": ", field_value.Describe(), " where the field takes a list"));
     }
-    const auto& elements = field_value.list_value().values();
-    for (int i = 0; i < elements.size(); ++i) {
+    const std::vector<std::pair<std::string, JsonValue>> elements = field_value.Members();
+    for (size_t i = 0; i < elements.size(); ++i) {
       ATTN_RETURN_IF_ERROR(
-          CheckJsonValue(elements[i], *field, absl::StrCat(field_path, "[", i, "]")));
+          CheckJsonValue(elements[i].second, *field, absl::StrCat(field_path, "[", i, "]")));
     }
   }
   return absl::OkStatus();
@@ -298,10 +335,16 @@ absl::StatusOr<v1::AttendRequest> ParseRequest(const std::string& input, const s
   v1::AttendRequest request;
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = false;
-  google::protobuf::Value json;
-  auto status = google::protobuf::util::JsonStringToMessage(text, &json, options);
+  // Made by libprotobuf's own factory, in its own layout (JsonValue).
+  const google::protobuf::Descriptor* value_type =
+      google::protobuf::DescriptorPool::generated_pool()->FindMessageTypeByName(
+          "google.protobuf.Value");
+  std::unique_ptr<google::protobuf::Message> json(
+      google::protobuf::MessageFactory::generated_factory()->GetPrototype(value_type)->New());
+  auto status = google::protobuf::util::JsonStringToMessage(text, json.get(), options);
   if (status.ok()) {
-    if (absl::Status types = CheckJsonTypes(json, *request.GetDescriptor(), ""); !types.ok()) {
+    if (absl::Status types = CheckJsonTypes(JsonValue(*json), *request.GetDescriptor(), "");
+        !types.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat(source, ": not an AttendRequest in JSON: ", types.message()));
     }
