@@ -471,6 +471,13 @@ absl::StatusOr<std::string> ReadBearerTokenFile(absl::string_view option, const 
   return std::string(token);
 }
 
+absl::StatusOr<std::string> BearerTokenFromFlags(const std::string& token,
+                                                 const std::string& token_file) {
+  if (token_file.empty()) return token;
+  if (!token.empty()) return absl::InvalidArgumentError("give --token or --token_file, not both");
+  return ReadBearerTokenFile("--token_file", token_file);
+}
+
 absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
     const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("target is empty");

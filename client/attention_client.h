@@ -83,6 +83,11 @@ absl::Status CheckBearerToken(absl::string_view token);
 // read, holds no token, or holds what CheckBearerToken refuses.
 absl::StatusOr<std::string> ReadBearerTokenFile(absl::string_view option, const std::string& path);
 
+// A command line's token: `token` (--token), or the one in `token_file`
+// (--token_file, ReadBearerTokenFile); INVALID_ARGUMENT when both are given.
+absl::StatusOr<std::string> BearerTokenFromFlags(const std::string& token,
+                                                 const std::string& token_file);
+
 // One call's routing: what a proxy hashes on, and which replica answered
 // (docs/sessions.md, "Sessions across replicas").
 struct CallOptions {

@@ -107,7 +107,7 @@ absl::Status SetFlag(absl::string_view name, const std::string& value, CliComman
     }
     command->client.bearer_token = value;
   } else if (name == "token_file") {
-    ATTN_ASSIGN_OR_RETURN(command->client.bearer_token, ReadBearerTokenFile("--token_file", value));
+    command->token_file = value;
   } else if (name == "max_message_mb") {
     int64_t mb;
     if (!absl::SimpleAtoi(value, &mb) || mb < 1 || mb > kMaxMessageMb) {
@@ -447,7 +447,6 @@ absl::Status RunCommand(const CliCommand& command, std::istream& in, std::ostrea
 absl::StatusOr<CliCommand> ParseCliArgs(const std::vector<std::string>& args) {
   CliCommand command;
   std::vector<std::string> positionals;
-  std::string token_flag;  // "token" or "token_file", once either is given
   bool flags_done = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -483,15 +482,11 @@ absl::StatusOr<CliCommand> ParseCliArgs(const std::vector<std::string>& args) {
       }
       value = args[++i];
     }
-    if (name == "token" || name == "token_file") {
-      if (!token_flag.empty() && token_flag != name) {
-        return absl::InvalidArgumentError("give --token or --token_file, not both");
-      }
-      token_flag = std::string(name);
-    }
     ATTN_RETURN_IF_ERROR(SetFlag(name, value, &command));
   }
   if (command.help) return command;
+  ATTN_ASSIGN_OR_RETURN(command.client.bearer_token,
+                        BearerTokenFromFlags(command.client.bearer_token, command.token_file));
   ATTN_RETURN_IF_ERROR(CheckPositionals(positionals, &command));
   // A flag its command does not use is a mistake in the command line, as
   // is half of a TLS key pair (found here, not when connecting: exit 2).

@@ -36,6 +36,8 @@ struct CliCommand {
   // call, session, close: the "attention-affinity" metadata; empty: the
   // first session id.
   std::string affinity;
+  // --token_file: read into client.bearer_token once the flags are parsed.
+  std::string token_file;
   bool help = false;
   ClientOptions client;
 };

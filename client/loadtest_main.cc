@@ -6,7 +6,6 @@
 #include <atomic>
 #include <csignal>
 #include <cstdint>
-#include <cstdlib>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -25,9 +24,8 @@
 #include "client/attention_client.h"
 #include "client/loadtest/loadtest.h"
 #include "client/loadtest/thresholds.h"
+#include "common/client_process.h"
 #include "common/flags_help.h"
-#include "grpc/support/log.h"
-#include "openssl/crypto.h"
 
 ABSL_FLAG(std::vector<std::string>, target, std::vector<std::string>({"127.0.0.1:50051"}),
           "HOST:PORT, dns:///NAME:PORT or any gRPC target; repeat the flag for several, which "
@@ -156,12 +154,6 @@ Exit codes: 0 ok, 1 bad command line or setup failure, 2 a threshold was broken.
 
 std::atomic<bool> interrupted{false};
 
-// gRPC's own log lines (an ERROR for each 503 page a proxy answers with)
-// would break into the progress line and the summary; every failed call is
-// counted by its code, and the first one's message shown. GRPC_VERBOSITY,
-// when set, keeps them.
-void DropGrpcLog(gpr_log_func_args*) {}
-
 // The first Ctrl-C ends the run and reports; a second one kills.
 void OnInterrupt(int /*signal*/) {
   interrupted.store(true);
@@ -266,15 +258,10 @@ attention::loadtest::LoadtestConfig ConfigFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  attention::SetUpClientProcess();
   // absl::Mutex's deadlock detection (on in Debian's build) keeps a lock graph
   // on every Lock, gRPC's own included: CPU the tester would spend on each call.
-  // gRPC goes on with connection attempts a little after its channels are
-  // gone: OpenSSL's own clean-up at exit then freed what a TLS handshake
-  // still used, and the process ended in a segfault about one exit in 25
-  // after a failed TLS connection. The process's memory goes with it anyway.
-  OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, nullptr);
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  if (std::getenv("GRPC_VERBOSITY") == nullptr) gpr_set_log_function(DropGrpcLog);
   attention::SetUsageAndHelpFile(kUsage, "client/loadtest_main.cc");
   std::vector<char*> args(argv, argv + argc);
   const std::vector<std::string> targets =
@@ -284,18 +271,13 @@ int main(int argc, char** argv) {
   const std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   attention::loadtest::LoadtestConfig config = ConfigFromFlags();
-  if (const std::string file = absl::GetFlag(FLAGS_token_file); !file.empty()) {
-    absl::StatusOr<std::string> token =
-        attention::client::ReadBearerTokenFile("--token_file", file);
-    if (token.ok() && !config.client.bearer_token.empty()) {
-      token = absl::InvalidArgumentError("give --token or --token_file, not both");
-    }
-    if (!token.ok()) {
-      std::cerr << "error: " << token.status().message() << "\n";
-      return attention::loadtest::kExitSetup;
-    }
-    config.client.bearer_token = *std::move(token);
+  absl::StatusOr<std::string> token = attention::client::BearerTokenFromFlags(
+      config.client.bearer_token, absl::GetFlag(FLAGS_token_file));
+  if (!token.ok()) {
+    std::cerr << "error: " << token.status().message() << "\n";
+    return attention::loadtest::kExitSetup;
   }
+  config.client.bearer_token = *std::move(token);
   if (!targets.empty()) config.targets = targets;
   config.thresholds = thresholds;
 
