@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <iostream>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -302,11 +303,17 @@ absl::Status CheckJsonTypes(const JsonValue& value, const google::protobuf::Desc
                                                    value.Describe(), " where ", message.name(),
                                                    " takes an object"));
   }
+  std::map<const google::protobuf::FieldDescriptor*, std::string> named;
   for (const auto& [name, field_value] : value.Members()) {
     const google::protobuf::FieldDescriptor* field = message.FindFieldByName(name);
     if (field == nullptr) field = message.FindFieldByCamelcaseName(name);
     if (field == nullptr || field->is_map()) continue;
     const std::string field_path = path.empty() ? name : absl::StrCat(path, ".", name);
+    // Its two names ("float_data", "floatData") merge as one key given twice.
+    if (auto [first, fresh] = named.emplace(field, name); !fresh) {
+      return absl::InvalidArgumentError(absl::StrCat(field_path, ": given twice, also as \"",
+                                                     first->second, "\""));
+    }
     if (!field->is_repeated()) {
       ATTN_RETURN_IF_ERROR(CheckJsonValue(field_value, *field, field_path));
       continue;

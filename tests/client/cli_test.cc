@@ -243,6 +243,37 @@ TEST(RunCliTest, WrongJsonTypeIsRejected) {
   EXPECT_THAT(result.err, AllOf(IsErrorLine("error: INVALID_ARGUMENT: "), HasSubstr("two")));
 }
 
+// A key given twice in one object is refused by the parse into a
+// google.protobuf.Value. A field under both its JSON names is not: protobuf's
+// parser merged the two, a tensor's float_data and floatData becoming one list.
+TEST(RunCliTest, AKeyGivenTwiceInOneObjectIsRejected) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"num_heads": 1, "num_heads": 2})", "Repeated map key: 'num_heads'"},
+      {R"({"query": {"shape": [1, 1, 2]}, "query": {"shape": [2]}})",
+       "Repeated map key: 'query'"},
+      {R"({"need_weights": true, "need_\u0077eights": false})",
+       "Repeated map key: 'need_weights'"},
+      {R"({"query": {"shape": [1, 1, 2], "float_data": [1, 2], "floatData": [3, 4]}})",
+       "ata: given twice, also as \"f"},
+      {R"({"num_heads": 1, "numHeads": 1})", "eads: given twice, also as \""},
+  };
+  for (const auto& [json, message] : cases) {
+    CliResult result = RunCliOn({"--target", "127.0.0.1:1", "call"}, json);
+    EXPECT_EQ(result.code, kCliError) << json;
+    EXPECT_THAT(result.err,
+                AllOf(IsErrorLine("error: INVALID_ARGUMENT: standard input: not an AttendRequest "
+                                  "in JSON: "),
+                      HasSubstr(message)))
+        << json;
+  }
+  // The same key in two objects, and a value that reads like a key, are fine.
+  CliResult fine = RunCliOn({"--target", "127.0.0.1:1", "--timeout", "1ms", "call"},
+                            R"({"query": {"shape": [1, 1, 2], "float_data": [1, 2]},
+                                "key": {"shape": [1, 1, 2], "float_data": [1, 2]},
+                                "model": "model", "num_heads": 1})");
+  EXPECT_THAT(fine.err, Not(HasSubstr("not an AttendRequest")));
+}
+
 // protobuf's parser read "no" as false and "yes" as true for a bool, a lone
 // string as a list of one, and created a session from {"create": "yes"}.
 TEST(RunCliTest, JsonTypesTheParserWouldBendAreRejected) {
