@@ -842,6 +842,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSessions(
   absl::Status status = Admit(*context);
   NameReplica(context, status);
   if (status.ok()) status = sessions_.CheckEnabled("ids");
+  // A malformed id fails the whole request, as in every other: nothing closed.
+  for (int i = 0; status.ok() && i < request->ids_size(); ++i) {
+    status = SessionStore::CheckId(absl::StrCat("ids[", i, "]"), request->ids(i));
+  }
   if (!status.ok()) return FinishUnary(reactor, "CloseSessions", "", start, status);
   sessions_.Close({request->ids().begin(), request->ids().end()},
                   [this, reactor, response, start](std::vector<std::string> closed,

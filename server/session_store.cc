@@ -85,10 +85,7 @@ absl::StatusOr<SessionRequest> SessionStore::Parse(const v1::SessionSpec& spec,
   absl::flat_hash_set<std::string> seen;
   for (int b = 0; b < spec.ids_size(); ++b) {
     const std::string& id = spec.ids(b);
-    if (id.empty() || id.size() > kMaxIdBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("session.ids[", b, "]: ", id.size(),
-                                                     " bytes; an id has 1 to ", kMaxIdBytes));
-    }
+    ATTN_RETURN_IF_ERROR(CheckId(absl::StrCat("session.ids[", b, "]"), id));
     if (!seen.insert(id).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("session.ids[", b, "]: \"", id, "\" appears twice in one request"));
@@ -496,12 +493,15 @@ void SessionStore::Close(
   });
 }
 
+absl::Status SessionStore::CheckId(absl::string_view field, absl::string_view id) {
+  if (!id.empty() && id.size() <= kMaxIdBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": ", id.size(), " bytes; an id has 1 to ", kMaxIdBytes));
+}
+
 absl::StatusOr<v1::SessionInfo> SessionStore::Info(const std::string& id) {
   ATTN_RETURN_IF_ERROR(CheckEnabled("id"));
-  if (id.empty() || id.size() > kMaxIdBytes) {  // no session could have it
-    return absl::InvalidArgumentError(
-        absl::StrCat("id: ", id.size(), " bytes; an id has 1 to ", kMaxIdBytes));
-  }
+  ATTN_RETURN_IF_ERROR(CheckId("id", id));
   absl::MutexLock lock(&mu_);
   ExpireBeforeUseLocked({id}, /*held_by_caller=*/false);
   PublishLocked();

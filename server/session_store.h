@@ -15,6 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -170,6 +171,9 @@ class SessionStore {
   void ExpireIdle();
 
   static constexpr size_t kMaxIdBytes = 128;
+  // INVALID_ARGUMENT naming `field` unless `id` has 1 to kMaxIdBytes bytes:
+  // no session could have it.
+  static absl::Status CheckId(absl::string_view field, absl::string_view id);
 
  private:
   struct Session {

@@ -356,6 +356,21 @@ TEST_F(SessionServiceTest, EveryErrorNamesTheSessionAndChangesNothing) {
   EXPECT_THAT(Info("errors"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("\"errors\"")));
   const v1::CloseSessionsResponse closed = Close({"errors", "nobody"});
   EXPECT_THAT(closed.not_found(), ElementsAre("errors", "nobody"));
+  // An id no session could have fails CloseSessions as it fails GetSession,
+  // and the valid ids beside it stay open.
+  ASSERT_THAT(client().Attend(Step("open", 0, RandomValues(3 * 16, 44), true)), IsOk());
+  for (const std::string& bad : {std::string(), std::string(129, 'x')}) {
+    grpc::ClientContext context;
+    v1::CloseSessionsRequest request;
+    request.add_ids("open");
+    request.add_ids(bad);
+    v1::CloseSessionsResponse response;
+    const grpc::Status status = Stub()->CloseSessions(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(),
+                HasSubstr(absl::StrCat("ids[1]: ", bad.size(), " bytes; an id has 1 to 128")));
+    EXPECT_THAT(Info("open"), IsOk());
+  }
 }
 
 // A step that names a cache dtype must name the session's; FLOAT32 counts
