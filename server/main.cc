@@ -134,10 +134,13 @@ int main(int argc, char** argv) {
   // below receives them; the mask outlives the execution below, so a
   // SIGTERM arriving during start-up waits for the waiter rather than
   // ending the process unlogged.
+  // SIGHUP too: it would end the process at once, dropping calls in flight
+  // and every session, where an operator sending it expects a reload.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   // Idle engine threads sleep rather than spin (unless the environment says
   // otherwise): may execute this binary again, before anything else happens.
@@ -227,8 +230,20 @@ int main(int argc, char** argv) {
   }
 
   std::thread waiter([&stop_signals, s = server->get()] {
+    // SIGHUP is logged and ignored: there is nothing to reload.
+    auto ignored = [](int signal) {
+      if (signal != SIGHUP) return false;
+      spdlog::warn(
+          "signal {} (SIGHUP): ignored; the server reads its files (--tls_cert, --tls_key, "
+          "--tls_client_ca, --auth_token_file, --model_repository) once, at start: restart it to "
+          "load new ones",
+          signal);
+      return true;
+    };
     int signal = 0;
-    sigwait(&stop_signals, &signal);
+    do {
+      sigwait(&stop_signals, &signal);
+    } while (ignored(signal));
     spdlog::info("signal {}: shutting down", signal);
     std::atomic<bool> stopped{false};
     std::thread stopper([s, &stopped] {
@@ -238,7 +253,8 @@ int main(int argc, char** argv) {
     // Meanwhile a second signal ends --shutdown_delay_seconds.
     const timespec poll{0, 100'000'000};
     while (!stopped) {
-      if (const int again = sigtimedwait(&stop_signals, nullptr, &poll); again > 0) {
+      if (const int again = sigtimedwait(&stop_signals, nullptr, &poll);
+          again > 0 && !ignored(again)) {
         spdlog::info("signal {} again: draining now", again);
         s->EndShutdownDelay();
       }

@@ -2,7 +2,8 @@
 # End-to-end check of the two binaries: starts attention_server on 127.0.0.1:0,
 # drives it with attention_cli (health, info, models, the built-in demo model, a
 # hand-checked call and the golden case sdpa_basic) and checks its reflection
-# (tests/reflection_check.py), then stops it with SIGTERM and expects exit code 0.
+# (tests/reflection_check.py), sends SIGHUP and expects it to serve on, then stops
+# it with SIGTERM and expects exit code 0.
 #
 # Usage: smoke_test.sh SERVER_BIN CLI_BIN GOLDEN_DIR
 set -euo pipefail
@@ -121,6 +122,14 @@ for field in output weights; do
   why=$(all_close "${got#*|}" "${want#*|}" "$atol" "$rtol") || fail "golden $field: $why"
 done
 echo "golden sdpa_basic: output and weights within atol $atol, rtol $rtol"
+
+# --- SIGHUP: logged and ignored (nothing to reload), the server serves on ------------
+kill -HUP "$SERVER_PID"
+for _ in $(seq 50); do grep -q "(SIGHUP): ignored" "$SERVER_LOG" && break; sleep 0.1; done
+grep -q "(SIGHUP): ignored" "$SERVER_LOG" || fail "no log line for SIGHUP"
+kill -0 "$SERVER_PID" 2>/dev/null || fail "SIGHUP ended the server"
+health=$("${cli[@]}" health) || fail "health after SIGHUP: $health"
+echo "SIGHUP: logged and ignored, health $health"
 
 # --- graceful stop ---------------------------------------------------------------
 status=0
