@@ -277,7 +277,10 @@ done
 limit_kib=1024
 held_warm=$((warm_anon - warm_pool)) held_end=$((end_anon - end_pool))
 growth_kib=$((held_end - held_warm))
-calls=$(cat "$tmp"/soak.*.json | jq -s 'map(.requests) | add')
+# The calls of the soak's reports (0 if one is missing: check_mix said so).
+reports=()
+for class in "${classes[@]}"; do reports+=("$tmp/soak.$class.json"); done
+calls=$(jq -s 'map(.requests) | add' "${reports[@]}" 2>/dev/null) || calls=0
 fd_growth=$((fds_max - fds_load)) fd_idle_growth=$((end_fds - warm_fds))
 printf 'server RSS  idle after the %d s warm-up %d KiB, idle at the end %d KiB (%d and %d KiB of code and libraries mapped from files)\n' \
   "$warmup" "$warm_rss" "$end_rss" "$((warm_rss - warm_anon))" "$((end_rss - end_anon))"
