@@ -9,8 +9,8 @@
 # appending --metrics_host=127.0.0.1 --metrics_port=0 and then the given flags
 # (a repeated flag: the last one wins). A --port_file on the host is written
 # through a bind mount, since the image's non-root user cannot write to the
-# caller's folder. SIGTERM and SIGINT go to the server itself (buildah run
-# would kill it). Exits with the server's exit code and removes the container.
+# caller's folder. SIGTERM, SIGINT and SIGHUP go to the server itself (buildah
+# run would kill it). Exits with the server's exit code and removes the container.
 # For a caller to clean up after this script was killed: the server's
 # environment holds ATTENTION_CONTAINER_RUN=$ATTENTION_TEST_RUN, and the
 # container is named "$ATTENTION_TEST_RUN-PID".
@@ -45,6 +45,7 @@ trap cleanup EXIT
 pending=""
 trap 'pending=TERM' TERM
 trap 'pending=INT' INT
+trap 'pending=HUP' HUP
 
 # The attention_server process below buildah run (buildah-chroot-runtime, then
 # buildah-chroot-exec, then the server; no PID namespace under chroot isolation).
