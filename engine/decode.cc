@@ -968,24 +968,27 @@ std::atomic<DecodeKernels> kernels_use{DecodeKernels::kBest};
 std::atomic<bool> tiles_allowed{true};
 std::atomic<DotProducts> dot_products_use{DotProducts::kChosen};
 
-// Whether bf16 dot products beat float32 math for FAST's steps on this CPU
-// (without tiles): not on Intel's. There one vdpbf16ps takes as long as four
+// Whether bf16 dot products beat float32 math for FAST's steps (without
+// tiles) of `rows` query rows per key/value head on this CPU: not on
+// Intel's. There one vdpbf16ps takes as long as four
 // FMAs (one per 0.84 ns on a thread against an FMA per 0.21 ns, 2026-11-27),
 // so its two multiply-adds per lane cost twice the FMAs' widened float32
 // ones, and a grouped-query FAST step ran 6% faster in float32
 // (docs/decode-log.md). The AMD hosts measured ran them faster
-// than float32 math, one-row steps included (2026-11-28).
-bool DotProductsFaster() {
+// than float32 math for one and two query rows per key/value head
+// (2026-11-28, 2026-12-04), and slower for four (kMinTileRows).
+bool DotProductsFaster(int64_t rows) {
 #ifdef ATTN_DECODE_AVX512
   static const bool faster = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
-  return faster;
+  return faster && rows < kMinTileRows;
 #else
+  static_cast<void>(rows);
   return false;
 #endif
 }
 
 // DotProductsFaster, unless a test or a benchmark says otherwise.
-bool UseDotProducts() {
+bool UseDotProducts(int64_t rows) {
   switch (dot_products_use.load(std::memory_order_relaxed)) {
     case DotProducts::kAlways:
       return true;
@@ -994,7 +997,7 @@ bool UseDotProducts() {
     case DotProducts::kChosen:
       break;
   }
-  return DotProductsFaster();
+  return DotProductsFaster(rows);
 }
 
 // The vector kernels this CPU runs: the widest it has.
@@ -1083,9 +1086,9 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   const bool bf16_products = cache.dtype() == DType::kBFloat16 && first.fast;
   const bool tile_shape = bf16_products && rows >= kMinTileRows && TilesFit(rows, dk, dv) &&
                           tiles_allowed.load(std::memory_order_relaxed) && TilesUsable();
-  const Math math = cache.dtype() == DType::kFloat32                    ? Math::kFloat32
-                    : bf16_products && (tile_shape || UseDotProducts()) ? Math::kBFloat16Dot
-                                                                        : Math::kBFloat16;
+  const Math math = cache.dtype() == DType::kFloat32                        ? Math::kFloat32
+                    : bf16_products && (tile_shape || UseDotProducts(rows)) ? Math::kBFloat16Dot
+                                                                            : Math::kBFloat16;
   const BlockKernels kernels = KernelsFor(dv, math);
   // Scores of every query row against one block.
   alignas(64) float scores[kMaxDecodeRows * kBlockRows];
@@ -1424,7 +1427,7 @@ bool DecodeTilesAvailable() { return TilesUsable(); }
 
 void UseDecodeTiles(bool use) { tiles_allowed.store(use, std::memory_order_relaxed); }
 
-bool DecodeDotProductsChosen() { return DotProductsFaster(); }
+bool DecodeDotProductsChosen(int64_t rows) { return DotProductsFaster(rows); }
 
 void SetDecodeDotProducts(DotProducts use) {
   dot_products_use.store(use, std::memory_order_relaxed);

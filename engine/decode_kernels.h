@@ -21,8 +21,9 @@ constexpr int64_t kBlockRows = KvCache::kBlockRows;
 // (its elements widened exactly), or, for precision FAST over a BFLOAT16
 // cache, bf16 products (the query and the softmax weights rounded to
 // bfloat16, float32 sums): tile multiplies, or bf16 dot products
-// (vdpbf16ps, two multiply-adds per lane and instruction) on CPUs where
-// those beat the widening (DotProductsFaster).
+// (vdpbf16ps, two multiply-adds per lane and instruction) on CPUs, and for
+// steps of as many query rows, where those beat the widening
+// (DotProductsFaster).
 enum class Math { kFloat32, kBFloat16, kBFloat16Dot };
 
 #if defined(__x86_64__) && defined(__GNUC__)

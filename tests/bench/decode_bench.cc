@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/decode.h"
@@ -636,9 +637,17 @@ int Main(int argc, char** argv) {
   // steps as a CPU without them computes them are then shown beside them
   // ("NO TILES"). On a CPU with bf16 dot products, the steps are also shown
   // with the one of float32 math and dot products that FAST does not take
-  // there ("BF16 DOT" or "FAST F32"): the A/B behind the choice.
-  const bool dot_chosen = internal::DecodeDotProductsChosen();
-  const char* chosen_math = dot_chosen ? "bf16 dot products" : "float32 math";
+  // there for the shape's query rows per key/value head ("BF16 DOT" or
+  // "FAST F32"): the A/B behind the choice.
+  const auto math_of = [](int64_t rows) {
+    return internal::DecodeDotProductsChosen(rows) ? "bf16 dot products" : "float32 math";
+  };
+  const std::string chosen_math =
+      std::strcmp(math_of(1), math_of(internal::kMinTileRows)) == 0
+          ? math_of(1)
+          : absl::StrCat(math_of(1), " below ", internal::kMinTileRows,
+                         " query rows per key/value head, ", math_of(internal::kMinTileRows),
+                         " from ", internal::kMinTileRows);
 #if defined(__x86_64__) && defined(__GNUC__)
   const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
   if (bf16_dot) {
@@ -646,19 +655,29 @@ int Main(int argc, char** argv) {
     std::printf(
         "one thread: a 16-lane FMA per %.3f ns, a bf16 dot product (vdpbf16ps) per %.3f ns "
         "(%.2fx); FAST without tiles takes %s\n",
-        fma_ns, dot_ns, dot_ns / fma_ns, chosen_math);
+        fma_ns, dot_ns, dot_ns / fma_ns, chosen_math.c_str());
   }
 #else
   const bool bf16_dot = false;
 #endif
   // A variant steps the BFLOAT16 sessions under FAST, or with float32_cache
-  // the FLOAT32 ones, with other kernels or math than the engine chooses.
+  // the FLOAT32 ones, with other kernels or math than the engine chooses;
+  // other_math: the math (dot products or float32) FAST does not take for
+  // the shape (its name then says which).
   struct Variant {
     const char* name;
     bool tiles;
     internal::DotProducts dot;
     internal::DecodeKernels kernels = internal::DecodeKernels::kBest;
     bool float32_cache = false;
+    bool other_math = false;
+  };
+  const auto other_dot = [](int64_t rows) {
+    return internal::DecodeDotProductsChosen(rows) ? internal::DotProducts::kNever
+                                                   : internal::DotProducts::kAlways;
+  };
+  const auto other_name = [](int64_t rows) {
+    return internal::DecodeDotProductsChosen(rows) ? "FAST F32" : "BF16 DOT";
   };
   std::vector<Variant> variants;
   // The decode kernels this CPU takes, and beside them the FLOAT32 steps
@@ -678,14 +697,14 @@ int Main(int argc, char** argv) {
     std::printf(
         "BF16 FAST: tile multiplies (AMX) where the step has 4 to 16 query rows per "
         "key/value head;\nNO TILES: the same steps as without them (%s)\n",
-        chosen_math);
+        chosen_math.c_str());
   }
   if (bf16_dot) {
-    const Variant other = dot_chosen ? Variant{"FAST F32", false, internal::DotProducts::kNever}
-                                     : Variant{"BF16 DOT", false, internal::DotProducts::kAlways};
-    variants.push_back(other);
-    std::printf("%s: the same steps with %s, which FAST does not take on this CPU\n", other.name,
-                dot_chosen ? "float32 math" : "bf16 dot products");
+    variants.push_back(
+        {"", false, internal::DotProducts::kChosen, internal::DecodeKernels::kBest, false, true});
+    std::printf(
+        "FAST F32 or BF16 DOT: the same steps with float32 math or bf16 dot products, whichever "
+        "FAST does not take for the shape on this CPU\n");
   }
   std::printf("\n%-24s %-9s %9s %9s %10s %9s %10s %7s %s\n", "decode (1 row/session)", "cache",
               "step us", "probe", "GB/s read", "vs probe", "FMA peak", "target", "steps/s vs FLOAT32");
@@ -699,7 +718,8 @@ int Main(int argc, char** argv) {
     // Per variant.
     std::vector<std::vector<double>> t_var(variants.size()), var_vs_probe(variants.size()),
         var_up(variants.size());
-    const double group = static_cast<double>(s.heads / s.kv_heads);
+    const int64_t rows = s.heads / s.kv_heads;  // per key/value head
+    const double group = static_cast<double>(rows);
     for (int r = 0; r < kRounds; ++r) {
       std::vector<Timed> calls = {
           {[&] { probe.Pass(); }, [&] { probe.Flush(); }},
@@ -711,7 +731,7 @@ int Main(int argc, char** argv) {
         Sessions& sessions = v.float32_cache ? f32 : bf16;
         calls.push_back({[&] {
                            internal::UseDecodeTiles(v.tiles);
-                           internal::SetDecodeDotProducts(v.dot);
+                           internal::SetDecodeDotProducts(v.other_math ? other_dot(rows) : v.dot);
                            internal::SetDecodeKernels(v.kernels);
                            sessions.Steps(*engine, !v.float32_cache);
                            internal::UseDecodeTiles(true);
@@ -769,7 +789,8 @@ int Main(int argc, char** argv) {
         text("%.2fx", Median(fast_up)).c_str());
     for (size_t v = 0; v < variants.size(); ++v) {
       const Sessions& sessions = variants[v].float32_cache ? f32 : bf16;
-      row(variants[v].name, t_var[v], sessions.bytes_per_step(), var_vs_probe[v], "", "",
+      row(variants[v].other_math ? other_name(rows) : variants[v].name, t_var[v],
+          sessions.bytes_per_step(), var_vs_probe[v], "", "",
           text("%.2fx", Median(var_up[v])).c_str());
     }
   }

@@ -800,10 +800,11 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
 // bf16 products (the query and the weights rounded to bfloat16: errors of
 // 1e-4 and more here) by tile multiplies where the CPU has them and the
 // shape fits (from kMinTileRows query rows per key/value head), else by dot
-// products where the engine chooses them (DecodeDotProductsChosen) or the
-// test forces them, one row included; otherwise (or where the test forbids
-// them) float32 math, within FAST's exponentials' error of the same step
-// under EXACT. Odd dims and an odd last block included.
+// products where the engine chooses them for the step's rows
+// (DecodeDotProductsChosen) or the test forces them, one row included;
+// otherwise (or where the test forbids them) float32 math, within FAST's
+// exponentials' error of the same step under EXACT. Odd dims and an odd
+// last block included.
 TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
   using internal::DotProducts;
   const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16");
@@ -813,7 +814,7 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
     // without them.
     const bool forced = dot != DotProducts::kChosen;
     for (int64_t dim : {64, 128, 33}) {
-      for (int64_t group : {1, 4}) {
+      for (int64_t group : {1, 2, 4}) {
         SCOPED_TRACE(absl::StrCat("D", dim, " group ", group,
                                   dot == DotProducts::kAlways  ? " dot products"
                                   : dot == DotProducts::kNever ? " float32 math"
@@ -858,8 +859,9 @@ TEST_P(SessionTest, FastPrecisionOverBFloat16CacheIsWithinBFloat16Rounding) {
         const bool tiles = !forced && internal::DecodeTilesAvailable() && dim % 32 == 0 &&
                            group >= internal::kMinTileRows;
         const bool bf16_products =
-            avx512_bf16 && (tiles || dot == DotProducts::kAlways ||
-                            (dot == DotProducts::kChosen && internal::DecodeDotProductsChosen()));
+            avx512_bf16 &&
+            (tiles || dot == DotProducts::kAlways ||
+             (dot == DotProducts::kChosen && internal::DecodeDotProductsChosen(group)));
         if (bf16_products) {
           EXPECT_GE(from_exact, 1e-4f) << "bf16 products did not run";
         } else {
