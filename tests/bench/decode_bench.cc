@@ -643,7 +643,8 @@ int Main(int argc, char** argv) {
     return internal::DecodeDotProductsChosen(rows) ? "bf16 dot products" : "float32 math";
   };
   const std::string chosen_math =
-      std::strcmp(math_of(1), math_of(internal::kMinTileRows)) == 0
+      internal::DecodeDotProductsChosen(1) ==
+              internal::DecodeDotProductsChosen(internal::kMinTileRows)
           ? math_of(1)
           : absl::StrCat(math_of(1), " below ", internal::kMinTileRows,
                          " query rows per key/value head, ", math_of(internal::kMinTileRows),
@@ -672,12 +673,12 @@ int Main(int argc, char** argv) {
     bool float32_cache = false;
     bool other_math = false;
   };
-  const auto other_dot = [](int64_t rows) {
-    return internal::DecodeDotProductsChosen(rows) ? internal::DotProducts::kNever
-                                                   : internal::DotProducts::kAlways;
-  };
-  const auto other_name = [](int64_t rows) {
-    return internal::DecodeDotProductsChosen(rows) ? "FAST F32" : "BF16 DOT";
+  // That math for a shape of `rows` query rows per key/value head: its
+  // name and how to make FAST take it.
+  const auto other_math_of = [](int64_t rows) {
+    return internal::DecodeDotProductsChosen(rows)
+               ? std::pair{"FAST F32", internal::DotProducts::kNever}
+               : std::pair{"BF16 DOT", internal::DotProducts::kAlways};
   };
   std::vector<Variant> variants;
   // The decode kernels this CPU takes, and beside them the FLOAT32 steps
@@ -731,7 +732,8 @@ int Main(int argc, char** argv) {
         Sessions& sessions = v.float32_cache ? f32 : bf16;
         calls.push_back({[&] {
                            internal::UseDecodeTiles(v.tiles);
-                           internal::SetDecodeDotProducts(v.other_math ? other_dot(rows) : v.dot);
+                           internal::SetDecodeDotProducts(v.other_math ? other_math_of(rows).second
+                                                                       : v.dot);
                            internal::SetDecodeKernels(v.kernels);
                            sessions.Steps(*engine, !v.float32_cache);
                            internal::UseDecodeTiles(true);
@@ -789,7 +791,7 @@ int Main(int argc, char** argv) {
         text("%.2fx", Median(fast_up)).c_str());
     for (size_t v = 0; v < variants.size(); ++v) {
       const Sessions& sessions = variants[v].float32_cache ? f32 : bf16;
-      row(variants[v].other_math ? other_name(rows) : variants[v].name, t_var[v],
+      row(variants[v].other_math ? other_math_of(rows).first : variants[v].name, t_var[v],
           sessions.bytes_per_step(), var_vs_probe[v], "", "",
           text("%.2fx", Median(var_up[v])).c_str());
     }
