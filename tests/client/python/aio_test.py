@@ -2,6 +2,8 @@
 streams, sessions (unary and on a stream) and errors; and a session's stream
 against a stand-in server that ends, refuses or never answers its streams."""
 import asyncio
+import functools
+import inspect
 import sys
 import unittest
 import unittest.mock
@@ -18,14 +20,52 @@ from server_fixture import Server
 
 
 def setUpModule():
-    global server
+    global server, runner
+    runner = asyncio.Runner(debug=True)
     server = Server()
     with attention_client.Client(server.target) as c:
         server.wait_serving(c)
 
 
 def tearDownModule():
+    runner.close()
     server.stop()
+
+
+class OneLoopTestCase(unittest.TestCase):
+    """Runs each async test, between its asyncSetUp and asyncTearDown, on the
+    module's one event loop (in debug mode, as IsolatedAsyncioTestCase). With
+    a loop per test, grpc.aio delivered a call's late completions (a stand-in
+    server's calls cut by its stop) to the loop the call began on, closed by
+    then, and each was logged as "RuntimeError: Event loop is closed" during
+    a later test."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, test in list(vars(cls).items()):
+            if name.startswith("test") and inspect.iscoroutinefunction(test):
+                setattr(cls, name, cls._on_the_loop(test))
+
+    @staticmethod
+    def _on_the_loop(test):
+        @functools.wraps(test)
+        def run(self):
+            async def whole():
+                await self.asyncSetUp()
+                try:
+                    await test(self)
+                finally:
+                    await self.asyncTearDown()
+
+            runner.run(whole())
+
+        return run
+
+    async def asyncSetUp(self):
+        pass
+
+    async def asyncTearDown(self):
+        pass
 
 
 def not_open(sid):
@@ -45,7 +85,7 @@ def randn(seed, *shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-class AioTest(unittest.IsolatedAsyncioTestCase):
+class AioTest(OneLoopTestCase):
     async def asyncSetUp(self):
         self.client = aio.Client(server.target, timeout=60)
 
@@ -220,7 +260,7 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
         self.assertIn('model: "nope"', str(e.exception))
 
 
-class StreamSessionTest(unittest.IsolatedAsyncioTestCase):
+class StreamSessionTest(OneLoopTestCase):
     """A session's stream against a stand-in AttendStream: `behave(stream,
     message)` (both counted from 1) says what each message gets: "answer"
     (its query as output, position + rows), "end" (the stream ends OK
