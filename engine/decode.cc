@@ -18,6 +18,8 @@
 // stack, a load and a store around every multiply-add: a grouped-query step
 // ran at 0.6x of the unrolled one.
 #define ATTN_UNROLL _Pragma("GCC unroll 16")
+// A loop left rolled (PrefetchSlice).
+#define ATTN_ROLLED _Pragma("GCC unroll 1")
 #endif
 
 #include <algorithm>
@@ -52,6 +54,11 @@ constexpr int64_t kSumBlocks = kMinChunkBlocks;
 // Below this many cached bytes read in all, a pass runs on one thread:
 // waking a team costs more than streaming them.
 constexpr double kParallelBytes = 256 * 1024;
+// How far ahead of its reads a one-row step prefetches the part it reads,
+// where its kernels do (BlockKernels::OneRow::kAhead): a few hundred cycles
+// of reading at the memory's pace. A plain read of a cache's blocks read as
+// fast 1 KiB ahead and 5% slower 32 KiB ahead (docs/decode-log.md).
+constexpr int64_t kPrefetchAhead = 4096;
 
 // One thread's share: blocks [first_block, end_block) of the cache of items
 // [first_item, end_item), key/value heads of one session, plus their tail
@@ -137,28 +144,39 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
 }
 
 // Start bringing the bytes at p (whole cache lines) in while the thread
-// computes: the next block's part, a slice at a time (without it, steps
-// read 15-30% less of the memory probe's bandwidth). Into L2 (T1): on an
-// Intel host non-temporal prefetches (NTA) were lost before their rows
-// were read, and every step read half as fast (0.43x of the probe where T1
-// read 1.3x of the same probe); T0 read FLOAT32 caches about 10% slower
-// than T1 there (docs/decode-log.md). On an AMD host all three
-// read alike.
-//
+// computes (without it, steps of several query rows per cached row read
+// 15-30% less of the memory probe's bandwidth). What the kernels prefetch
+// is the caller's choice (BlockKernels::one_row_prefetch); where to, kTo:
+// - kL2 (T1): the next part, a slice at a time. On an Intel host
+//   non-temporal prefetches (NTA) were lost before their rows were read,
+//   and every step read half as fast (0.43x of the probe where T1 read
+//   1.3x of the same probe); T0 read FLOAT32 caches about 10% slower than
+//   T1 there (docs/decode-log.md). On an AMD host all three read alike.
+// - kL1 (T0): the part being read, kPrefetchAhead bytes ahead of the reads
+//   (one-row steps; those lines are read a few hundred cycles later).
+// Ahead of a block's last part the addresses are past the block's end,
+// another allocation or none: a prefetch never faults (an unmapped line is
+// dropped), and the next block's first lines come in as the CPU's own
+// prefetchers bring them.
+enum class Fetch { kNone, kL2, kL1 };
+template <Fetch kTo>
+constexpr auto kHintOf = kTo == Fetch::kL1 ? _MM_HINT_T0 : _MM_HINT_T1;
+
 // kBytes known at compile time (a key kernel's row): unrolled.
-template <int64_t kBytes>
+template <int64_t kBytes, Fetch kTo = Fetch::kL2>
 ATTN_AVX512 inline void Prefetch(const char* p) {
   ATTN_UNROLL
-  for (int64_t off = 0; off < kBytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < kBytes; off += 64) _mm_prefetch(p + off, kHintOf<kTo>);
 }
 
 // A count of bytes known only at run time (a value kernel's slice per row),
 // in a loop left rolled: GCC's unrolled form of it was a chain of compares
 // and branches per value row, which cost B16 H8 D64 steps about 5% and
 // grouped-query steps 3-9% (2026-11-25).
+template <Fetch kTo = Fetch::kL2>
 ATTN_AVX512 inline void PrefetchSlice(const char* p, int64_t bytes) {
-  _Pragma("GCC unroll 1")
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  ATTN_ROLLED
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, kHintOf<kTo>);
 }
 
 // The 16 floats at p, in a register of their own when kUses multiply-adds
@@ -194,7 +212,7 @@ ATTN_AVX512 inline void FinishScores(const __m512 (&acc)[kRows][4], float scale,
 // keys each, then each row's softmax step (FinishScores). Whole blocks are
 // computed (the rows past n are zeros); the step weighs only each row's
 // visible keys.
-template <int kRows, bool kPrefetch>
+template <int kRows, Fetch kPrefetch>
 ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64_t d, float scale,
                                      float* s, const char* next_k, const SoftmaxRows& softmax) {
   constexpr int64_t kRowBytes = kBlockRows * 4;  // one key element, every key
@@ -213,7 +231,7 @@ ATTN_AVX512 void Avx512ScoresFloat32(const void* const* q, const void* kt, int64
       acc[r][2] = _mm512_fmadd_ps(k2, qe, acc[r][2]);
       acc[r][3] = _mm512_fmadd_ps(k3, qe, acc[r][3]);
     }
-    if constexpr (kPrefetch) Prefetch<kRowBytes>(next_k + e * kRowBytes);
+    if constexpr (kPrefetch != Fetch::kNone) Prefetch<kRowBytes, kPrefetch>(next_k + e * kRowBytes);
   }
   FinishScores<kRows>(acc, scale, s, softmax);
 }
@@ -250,7 +268,7 @@ ATTN_AVX512 inline void ScorePair(const void* const* q, const char* row, int64_t
 // loop, GCC moved the sums between registers in every pair. (This and the
 // value kernel's loop below made grouped-query steps 2% faster,
 // 2026-11-28.)
-template <int kRows, bool kPrefetch>
+template <int kRows, Fetch kPrefetch>
 ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int64_t d, float scale,
                                       float* s, const char* next_k, const SoftmaxRows& softmax) {
   constexpr int64_t kPairBytes = kBlockRows * 4;  // two key elements, every key
@@ -260,18 +278,20 @@ ATTN_AVX512 void Avx512ScoresBFloat16(const void* const* q, const void* kt, int6
   const int64_t whole = d / 2;
   for (int64_t i = 0; i < whole; ++i) {
     ScorePair<kRows, true>(q, base + i * kPairBytes, i, acc);
-    if constexpr (kPrefetch) Prefetch<kPairBytes>(next_k + i * kPairBytes);
+    if constexpr (kPrefetch != Fetch::kNone)
+      Prefetch<kPairBytes, kPrefetch>(next_k + i * kPairBytes);
   }
   if (d % 2 != 0) {
     ScorePair<kRows, false>(q, base + whole * kPairBytes, whole, acc);
-    if constexpr (kPrefetch) Prefetch<kPairBytes>(next_k + whole * kPairBytes);
+    if constexpr (kPrefetch != Fetch::kNone)
+      Prefetch<kPairBytes, kPrefetch>(next_k + whole * kPairBytes);
   }
   FinishScores<kRows>(acc, scale, s, softmax);
 }
 
 // The same with bf16 dot products: q[r] is bfloat16 pairs, one 32-bit word
 // per pair of key elements, multiplied with the cache's pairs as they are.
-template <int kRows, bool kPrefetch>
+template <int kRows, Fetch kPrefetch>
 ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* kt, int64_t d,
                                               float scale, float* s, const char* next_k,
                                               const SoftmaxRows& softmax) {
@@ -293,12 +313,13 @@ ATTN_AVX512_BF16 void Avx512ScoresBFloat16Dot(const void* const* q, const void* 
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], reinterpret_cast<__m512bh>(k2), qi);
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], reinterpret_cast<__m512bh>(k3), qi);
     }
-    if constexpr (kPrefetch) Prefetch<kPairBytes>(next_k + i * kPairBytes);
+    if constexpr (kPrefetch != Fetch::kNone)
+      Prefetch<kPairBytes, kPrefetch>(next_k + i * kPairBytes);
   }
   FinishScores<kRows>(acc, scale, s, softmax);
 }
 
-template <Math kMath, int kRows, bool kPrefetch>
+template <Math kMath, int kRows, Fetch kPrefetch>
 void Avx512ScoresWith(const void* const* q, const void* kt, int64_t d, float scale, float* s,
                       const char* next_k, const SoftmaxRows& softmax) {
   if constexpr (kMath == Math::kFloat32) {
@@ -312,24 +333,29 @@ void Avx512ScoresWith(const void* const* q, const void* kt, int64_t d, float sca
 
 // Prefetching or not is decided once per block, not tested per key element
 // in the loop (whose time then varied by a third with the code's layout).
-template <Math kMath, int kRows>
+template <Math kMath, int kRows, Fetch kTo>
 void Avx512ScoresOf(const void* const* q, const void* kt, int64_t d, float scale, float* s,
                     const char* next_k, const SoftmaxRows& softmax) {
   if (next_k != nullptr) {
-    Avx512ScoresWith<kMath, kRows, true>(q, kt, d, scale, s, next_k, softmax);
+    Avx512ScoresWith<kMath, kRows, kTo>(q, kt, d, scale, s, next_k, softmax);
   } else {
-    Avx512ScoresWith<kMath, kRows, false>(q, kt, d, scale, s, next_k, softmax);
+    Avx512ScoresWith<kMath, kRows, Fetch::kNone>(q, kt, d, scale, s, next_k, softmax);
   }
 }
 
-template <Math kMath>
+// next_k (may be null) prefetched into kTo.
+template <Math kMath, Fetch kTo>
 void Avx512Scores(const void* const* q, int rows, const void* kt, int64_t, int64_t d, float scale,
                   float* s, const char* next_k, const SoftmaxRows& softmax) {
   switch (rows) {
-    case 1: return Avx512ScoresOf<kMath, 1>(q, kt, d, scale, s, next_k, softmax);
-    case 2: return Avx512ScoresOf<kMath, 2>(q, kt, d, scale, s, next_k, softmax);
-    case 3: return Avx512ScoresOf<kMath, 3>(q, kt, d, scale, s, next_k, softmax);
-    default: return Avx512ScoresOf<kMath, 4>(q, kt, d, scale, s, next_k, softmax);
+    case 1:
+      return Avx512ScoresOf<kMath, 1, kTo>(q, kt, d, scale, s, next_k, softmax);
+    case 2:
+      return Avx512ScoresOf<kMath, 2, kTo>(q, kt, d, scale, s, next_k, softmax);
+    case 3:
+      return Avx512ScoresOf<kMath, 3, kTo>(q, kt, d, scale, s, next_k, softmax);
+    default:
+      return Avx512ScoresOf<kMath, 4, kTo>(q, kt, d, scale, s, next_k, softmax);
   }
 }
 
@@ -522,11 +548,10 @@ ATTN_AVX512 inline void StoreSums(const __m512 (&a)[kRows][kPass], float* const*
 // 64 bytes at (j * d + 16 c) * 4; BFLOAT16: rows 2i and 2i + 1 share their
 // chunks, 64 bytes at (2 i * d + 32 c) * 2, the first row's elements widened
 // by a shift, the second's by a mask.
-template <int kRows, int kPass, bool kPrefetch>
-ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
-                                         const float* correction, const void* v, int64_t n,
-                                         int64_t d, int64_t c0, const char* next_v,
-                                         int64_t step) {
+template <int kRows, int kPass, Fetch kPrefetch>
+ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc, const float* correction,
+                                         const void* v, int64_t n, int64_t d, int64_t c0,
+                                         const char* next_v, int64_t step) {
   const int64_t row_bytes = d * 4;
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
@@ -544,7 +569,7 @@ ATTN_AVX512 void Avx512AccumulateFloat32(const float* p, float* const* acc,
       ATTN_UNROLL
       for (int k = 0; k < kPass; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
     }
-    if constexpr (kPrefetch) PrefetchSlice(next_v + j * step, step);
+    if constexpr (kPrefetch != Fetch::kNone) PrefetchSlice<kPrefetch>(next_v + j * step, step);
   }
   StoreSums<kRows, kPass>(a, acc, c0);
 }
@@ -568,11 +593,10 @@ ATTN_AVX512 inline void ValuePair(const float* p, const char* pair, __m512 (&a)[
   }
 }
 
-template <int kRows, int kPass, bool kPrefetch>
+template <int kRows, int kPass, Fetch kPrefetch>
 ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
                                           const float* correction, const void* v, int64_t n,
-                                          int64_t d, int64_t c0, const char* next_v,
-                                          int64_t step) {
+                                          int64_t d, int64_t c0, const char* next_v, int64_t step) {
   const int64_t pair_bytes = d * 4;  // two rows
   const char* base = static_cast<const char*>(v) + c0 * 64;
   __m512 a[kRows][kPass];
@@ -585,14 +609,14 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
   int64_t j = 0;
   for (; j + 1 < n; j += 2, pair += pair_bytes) {
     ValuePair<kRows, kPass, true>(p + j, pair, a);
-    if constexpr (kPrefetch) {
-      PrefetchSlice(prefetch, step);
+    if constexpr (kPrefetch != Fetch::kNone) {
+      PrefetchSlice<kPrefetch>(prefetch, step);
       prefetch += step;
     }
   }
   if (j < n) {
     ValuePair<kRows, kPass, false>(p + j, pair, a);
-    if constexpr (kPrefetch) PrefetchSlice(prefetch, step);
+    if constexpr (kPrefetch != Fetch::kNone) PrefetchSlice<kPrefetch>(prefetch, step);
   }
   StoreSums<kRows, kPass>(a, acc, c0);
 }
@@ -600,11 +624,11 @@ ATTN_AVX512 void Avx512AccumulateBFloat16(const float* p, float* const* acc,
 // The BFLOAT16 form with bf16 dot products: each row's weights rounded to
 // bfloat16 pairs (p_2i, p_2i+1), one 32-bit word against the pair of value
 // rows. The pair past an odd n is a zero weight and a zero row.
-template <int kRows, int kPass, bool kPrefetch>
+template <int kRows, int kPass, Fetch kPrefetch>
 ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* acc,
-                                                  const float* correction, const void* v,
-                                                  int64_t n, int64_t d, int64_t c0,
-                                                  const char* next_v, int64_t step) {
+                                                  const float* correction, const void* v, int64_t n,
+                                                  int64_t d, int64_t c0, const char* next_v,
+                                                  int64_t step) {
   const int64_t pair_bytes = d * 4;
   const char* base = static_cast<const char*>(v) + c0 * 64;
   alignas(64) int32_t weights[kRows][kBlockRows / 2];
@@ -632,15 +656,14 @@ ATTN_AVX512_BF16 void Avx512AccumulateBFloat16Dot(const float* p, float* const* 
         a[r][k] = _mm512_dpbf16_ps(a[r][k], reinterpret_cast<__m512bh>(vi[k]), w);
       }
     }
-    if constexpr (kPrefetch) PrefetchSlice(next_v + i * step, step);
+    if constexpr (kPrefetch != Fetch::kNone) PrefetchSlice<kPrefetch>(next_v + i * step, step);
   }
   StoreSums<kRows, kPass>(a, acc, c0);
 }
 
-template <Math kMath, int kRows, int kPass, bool kPrefetch>
-void Avx512AccumulateWith(const float* p, float* const* acc, const float* correction,
-                          const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v,
-                          int64_t step) {
+template <Math kMath, int kRows, int kPass, Fetch kPrefetch>
+void Avx512AccumulateWith(const float* p, float* const* acc, const float* correction, const void* v,
+                          int64_t n, int64_t d, int64_t c0, const char* next_v, int64_t step) {
   if constexpr (kMath == Math::kFloat32) {
     Avx512AccumulateFloat32<kRows, kPass, kPrefetch>(p, acc, correction, v, n, d, c0, next_v, step);
   } else if constexpr (kMath == Math::kBFloat16) {
@@ -654,14 +677,14 @@ void Avx512AccumulateWith(const float* p, float* const* acc, const float* correc
 
 // next_v (may be null): `step` bytes of it come in per value row (a pair of
 // rows for BFLOAT16), from next_v + step * row.
-template <Math kMath, int kRows, int kPass>
-void Avx512AccumulatePass(const float* p, float* const* acc, const float* correction,
-                          const void* v, int64_t n, int64_t d, int64_t c0, const char* next_v,
-                          int64_t step) {
+template <Math kMath, int kRows, int kPass, Fetch kTo>
+void Avx512AccumulatePass(const float* p, float* const* acc, const float* correction, const void* v,
+                          int64_t n, int64_t d, int64_t c0, const char* next_v, int64_t step) {
   if (next_v != nullptr) {
-    Avx512AccumulateWith<kMath, kRows, kPass, true>(p, acc, correction, v, n, d, c0, next_v, step);
+    Avx512AccumulateWith<kMath, kRows, kPass, kTo>(p, acc, correction, v, n, d, c0, next_v, step);
   } else {
-    Avx512AccumulateWith<kMath, kRows, kPass, false>(p, acc, correction, v, n, d, c0, next_v, step);
+    Avx512AccumulateWith<kMath, kRows, kPass, Fetch::kNone>(p, acc, correction, v, n, d, c0, next_v,
+                                                            step);
   }
 }
 
@@ -675,9 +698,9 @@ template <Math kMath, int kRows>
 constexpr int kMostChunksOf = kRows <= 2 ? 8 : 4;
 
 // kRows rows, every chunk of the value rows, in passes of kMostChunksOf.
-template <Math kMath, int kRows>
-void Avx512AccumulateRows(const float* p, float* const* acc, const float* correction,
-                          const void* v, int64_t n, int64_t d, const char* next_v, int64_t step) {
+template <Math kMath, int kRows, Fetch kTo>
+void Avx512AccumulateRows(const float* p, float* const* acc, const float* correction, const void* v,
+                          int64_t n, int64_t d, const char* next_v, int64_t step) {
   constexpr int kMostChunks = kMostChunksOf<kMath, kRows>;
   const int64_t chunks = d / 16;
   for (int64_t c0 = 0; c0 < chunks; c0 += kMostChunks) {
@@ -686,11 +709,11 @@ void Avx512AccumulateRows(const float* p, float* const* acc, const float* correc
     // passes read again.
     const char* prefetch = c0 + kMostChunks >= chunks ? next_v : nullptr;
     switch (std::min<int64_t>(kMostChunks, chunks - c0)) {
-#define ATTN_PASS(k)                                                                          \
-  case k:                                                                                     \
-    if constexpr (k <= kMostChunks) {                                                         \
-      Avx512AccumulatePass<kMath, kRows, k>(p, acc, correction, v, n, d, c0, prefetch, step); \
-    }                                                                                         \
+#define ATTN_PASS(k)                                                                               \
+  case k:                                                                                          \
+    if constexpr (k <= kMostChunks) {                                                              \
+      Avx512AccumulatePass<kMath, kRows, k, kTo>(p, acc, correction, v, n, d, c0, prefetch, step); \
+    }                                                                                              \
     break;
       ATTN_PASS(1)
       ATTN_PASS(2)
@@ -718,8 +741,10 @@ void Avx512AccumulateRows(const float* p, float* const* acc, const float* correc
 // rows in one pass, so the first pair reads the part from memory in order
 // and the second pair reads it again from L1 or L2. (Out of the CPU's
 // caches that wins; a cache already in L2 or L3 steps about 10% slower.)
-// The next part's values come in a slice per group, spread over its rows.
-template <Math kMath>
+// next_v (may be null) comes in, into kTo, a slice per group spread over
+// its rows: for one row a whole value row per row read, so with next_v at
+// v + kPrefetchAhead it stays that far ahead of the reads.
+template <Math kMath, Fetch kTo>
 void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* correction,
                       const void* v, int64_t n, int64_t d, const char* next_v) {
   constexpr bool kPairsHoldMore = kMostChunksOf<kMath, 2> > kMostChunksOf<kMath, 4>;
@@ -735,10 +760,18 @@ void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* 
     float* const* ar = acc + r;
     const float* cr = correction + r;
     switch (std::min(group, rows - r)) {
-      case 4: Avx512AccumulateRows<kMath, 4>(pr, ar, cr, v, n, d, prefetch, step); break;
-      case 3: Avx512AccumulateRows<kMath, 3>(pr, ar, cr, v, n, d, prefetch, step); break;
-      case 2: Avx512AccumulateRows<kMath, 2>(pr, ar, cr, v, n, d, prefetch, step); break;
-      default: Avx512AccumulateRows<kMath, 1>(pr, ar, cr, v, n, d, prefetch, step); break;
+      case 4:
+        Avx512AccumulateRows<kMath, 4, kTo>(pr, ar, cr, v, n, d, prefetch, step);
+        break;
+      case 3:
+        Avx512AccumulateRows<kMath, 3, kTo>(pr, ar, cr, v, n, d, prefetch, step);
+        break;
+      case 2:
+        Avx512AccumulateRows<kMath, 2, kTo>(pr, ar, cr, v, n, d, prefetch, step);
+        break;
+      default:
+        Avx512AccumulateRows<kMath, 1, kTo>(pr, ar, cr, v, n, d, prefetch, step);
+        break;
     }
   }
 }
@@ -955,13 +988,25 @@ struct BlockKernels {
   ScoresFn scores;
   AccumulateFn accumulate;
   Math scores_math;
-  // Whether to prefetch the next part for items of one query row. The AVX2
-  // kernels' one-row steps ran 20-35% faster without (B16 H8 D64, B9 and B1
-  // H32 D128, FLOAT32 and BFLOAT16, AMD EPYC with memory at 34-51 GB/s,
-  // 2026-12-04): there the CPU's own prefetchers keep up with a plain stream,
-  // and the software ones only compete with them. Steps of several rows per
-  // cached row (grouped-query) ran twice as slow without, and keep them.
-  bool prefetch_one_row = true;
+  // What items of one query row prefetch (steps of several rows per cached
+  // row, grouped-query, prefetch the next part into L2: they ran twice as
+  // slow without, 2026-12-04).
+  // - kNextPart: the same (the portable loops ignore it).
+  // - kNone: nothing. The AVX2 kernels' one-row steps ran 20-35% faster so
+  //   (B16 H8 D64, B9 and B1 H32 D128, FLOAT32 and BFLOAT16, AMD EPYC with
+  //   memory at 34-51 GB/s, 2026-12-04): there the CPU's own prefetchers
+  //   keep up with a plain stream, and the next part's prefetches only
+  //   compete with them.
+  // - kAhead: the part being read, kPrefetchAhead bytes ahead of the reads,
+  //   into L1, by scores_ahead and accumulate_ahead. FAST's one-row steps
+  //   with the AVX-512 kernels ran about 10% (B16 H8 D64) and 5% (B1 H32
+  //   D128) faster so than with the next part, FLOAT32's within the noise
+  //   (AMD EPYC with avx512_bf16, 2026-12-05), and slower with nothing or
+  //   into L2 (docs/decode-log.md). Not on Intel's CPUs (KernelsFor).
+  enum class OneRow { kNextPart, kNone, kAhead };
+  OneRow one_row_prefetch = OneRow::kNextPart;
+  ScoresFn scores_ahead = nullptr;
+  AccumulateFn accumulate_ahead = nullptr;
 };
 
 std::atomic<DecodeKernels> kernels_use{DecodeKernels::kBest};
@@ -999,6 +1044,16 @@ bool UseDotProducts(int64_t rows) {
   }
   return DotProductsFaster(rows);
 }
+
+#ifdef ATTN_DECODE_AVX512
+template <Math kMath>
+void SetAvx512Kernels(bool vector_values, BlockKernels& k) {
+  k.scores = &Avx512Scores<kMath, Fetch::kL2>;
+  k.scores_ahead = &Avx512Scores<kMath, Fetch::kL1>;
+  if (vector_values) k.accumulate = &Avx512Accumulate<kMath, Fetch::kL2>;
+  k.accumulate_ahead = vector_values ? &Avx512Accumulate<kMath, Fetch::kL1> : k.accumulate;
+}
+#endif
 
 // The vector kernels this CPU runs: the widest it has.
 enum class VectorKernels { kNone, kAvx2, kAvx512 };
@@ -1038,7 +1093,7 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
     const decode::Avx2Kernels avx2 = decode::Avx2KernelsFor(bf16);
     k.scores = avx2.scores;
     if (vector_values) k.accumulate = avx2.accumulate;
-    k.prefetch_one_row = false;
+    k.one_row_prefetch = BlockKernels::OneRow::kNone;
     return k;
   }
 #ifdef ATTN_DECODE_AVX512
@@ -1048,17 +1103,23 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
   k.scores_math = math;
   switch (math) {
     case Math::kFloat32:
-      k.scores = &Avx512Scores<Math::kFloat32>;
-      if (vector_values) k.accumulate = &Avx512Accumulate<Math::kFloat32>;
+      SetAvx512Kernels<Math::kFloat32>(vector_values, k);
       break;
     case Math::kBFloat16:
-      k.scores = &Avx512Scores<Math::kBFloat16>;
-      if (vector_values) k.accumulate = &Avx512Accumulate<Math::kBFloat16>;
+      SetAvx512Kernels<Math::kBFloat16>(vector_values, k);
       break;
     case Math::kBFloat16Dot:
-      k.scores = &Avx512Scores<Math::kBFloat16Dot>;
-      if (vector_values) k.accumulate = &Avx512Accumulate<Math::kBFloat16Dot>;
+      SetAvx512Kernels<Math::kBFloat16Dot>(vector_values, k);
       break;
+  }
+  // Value rows read in one pass (kMostChunksOf): a row read several times
+  // over, a part at a time, would take its prefetched lines out of L1
+  // before the later passes come to them. Not on Intel's CPUs, where it is
+  // not measured and the next part met the targets (T0 there read 10%
+  // slower than T1 when it was the next part that came in).
+  static const bool intel = __builtin_cpu_is("intel");
+  if (!intel && value_dim <= 16 * kMostChunksOf<Math::kFloat32, 1>) {
+    k.one_row_prefetch = BlockKernels::OneRow::kAhead;
   }
 #endif
   return k;
@@ -1090,6 +1151,10 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
                     : bf16_products && (tile_shape || UseDotProducts(rows)) ? Math::kBFloat16Dot
                                                                             : Math::kBFloat16;
   const BlockKernels kernels = KernelsFor(dv, math);
+  // One query row per item whose kernels prefetch the part they read.
+  const bool ahead = rows == 1 && kernels.one_row_prefetch == BlockKernels::OneRow::kAhead;
+  const ScoresFn scores_fn = ahead ? kernels.scores_ahead : kernels.scores;
+  const AccumulateFn accumulate_fn = ahead ? kernels.accumulate_ahead : kernels.accumulate;
   // Scores of every query row against one block.
   alignas(64) float scores[kMaxDecodeRows * kBlockRows];
   // With tiles, the weights rounded to bfloat16.
@@ -1155,7 +1220,11 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
       const void* vb = cache.ValueBlock(block, it.kv_head);
       const char* next_k = nullptr;
       const char* next_v = nullptr;
-      if ((rows > 1 || kernels.prefetch_one_row) && (k + 1 < count || block + 1 < u.end_block)) {
+      if (ahead) {
+        next_k = static_cast<const char*>(kb) + kPrefetchAhead;
+        next_v = static_cast<const char*>(vb) + kPrefetchAhead;
+      } else if ((rows > 1 || kernels.one_row_prefetch == BlockKernels::OneRow::kNextPart) &&
+                 (k + 1 < count || block + 1 < u.end_block)) {
         const int64_t next_block = k + 1 < count ? block : block + 1;
         const int64_t next_head = items[u.first_item + (k + 1) % count].kv_head;
         next_k = static_cast<const char*>(cache.KeyBlock(next_block, next_head));
@@ -1179,14 +1248,14 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
         for (int64_t r = 0; r < rows; r += kScoreRows) {
           const int c = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
           const SoftmaxRows softmax{visible + r, row_partial + r, correction + r, first.fast};
-          kernels.scores(st.q + r, c, kb, n, dk, dot ? 1.0f : it.scale, scores + r * kBlockRows,
-                         r == 0 ? next_k : nullptr, softmax);
+          scores_fn(st.q + r, c, kb, n, dk, dot ? 1.0f : it.scale, scores + r * kBlockRows,
+                    r == 0 ? next_k : nullptr, softmax);
         }
       }
       if (tiles) {
         TileAccumulate(weights, static_cast<int>(rows), st.acc, correction, vb, dv, next_v);
       } else {
-        kernels.accumulate(scores, static_cast<int>(rows), st.acc, correction, vb, n, dv, next_v);
+        accumulate_fn(scores, static_cast<int>(rows), st.acc, correction, vb, n, dv, next_v);
       }
     }
   }

@@ -59,10 +59,11 @@ struct SoftmaxRows {
 // kt (engine/kv_cache.h's layout), n of them rows of the sequence, folded
 // into each row's softmax: s[r * kBlockRows + j] is left the weight of value
 // row j (0 from visible[r] on). q[r] is key_dim floats, or for kBFloat16Dot
-// key_dim rounded up to even bfloat16 (the pad 0). next_k (may be null): the
-// next block's keys, prefetched meanwhile so that the thread keeps memory
-// busy. The vector kernels compute whole blocks (the rows past n are zeros);
-// the softmax step weighs only each row's visible keys.
+// key_dim rounded up to even bfloat16 (the pad 0). next_k (may be null):
+// prefetched meanwhile, a stored key row's bytes per row the kernel reads,
+// so that the thread keeps memory busy: the next part's keys, or where the
+// kernel will read next (engine/decode.cc's BlockKernels). The vector kernels compute whole blocks
+// (the rows past n are zeros); the softmax step weighs only each row's visible keys.
 using ScoresFn = void (*)(const void* const* q, int rows, const void* kt, int64_t n, int64_t d,
                           float scale, float* s, const char* next_k, const SoftmaxRows& softmax);
 
