@@ -55,7 +55,7 @@ constexpr int64_t kSumBlocks = kMinChunkBlocks;
 // waking a team costs more than streaming them.
 constexpr double kParallelBytes = 256 * 1024;
 // How far ahead of its reads a one-row step prefetches the part it reads,
-// where its kernels do (BlockKernels::OneRow::kAhead): a few hundred cycles
+// where its kernels do (BlockKernels::scores_ahead): a few hundred cycles
 // of reading at the memory's pace. A plain read of a cache's blocks read as
 // fast 1 KiB ahead and 5% slower 32 KiB ahead (docs/decode-log.md).
 constexpr int64_t kPrefetchAhead = 4096;
@@ -146,7 +146,7 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
 // Start bringing the bytes at p (whole cache lines) in while the thread
 // computes (without it, steps of several query rows per cached row read
 // 15-30% less of the memory probe's bandwidth). What the kernels prefetch
-// is the caller's choice (BlockKernels::one_row_prefetch); where to, kTo:
+// is the caller's choice (BlockKernels); where to, kTo:
 // - kL2 (T1): the next part, a slice at a time. On an Intel host
 //   non-temporal prefetches (NTA) were lost before their rows were read,
 //   and every step read half as fast (0.43x of the probe where T1 read
@@ -988,23 +988,21 @@ struct BlockKernels {
   ScoresFn scores;
   AccumulateFn accumulate;
   Math scores_math;
-  // What items of one query row prefetch (steps of several rows per cached
-  // row, grouped-query, prefetch the next part into L2: they ran twice as
-  // slow without, 2026-12-04).
-  // - kNextPart: the same (the portable loops ignore it).
-  // - kNone: nothing. The AVX2 kernels' one-row steps ran 20-35% faster so
-  //   (B16 H8 D64, B9 and B1 H32 D128, FLOAT32 and BFLOAT16, AMD EPYC with
-  //   memory at 34-51 GB/s, 2026-12-04): there the CPU's own prefetchers
-  //   keep up with a plain stream, and the next part's prefetches only
-  //   compete with them.
-  // - kAhead: the part being read, kPrefetchAhead bytes ahead of the reads,
-  //   into L1, by scores_ahead and accumulate_ahead. FAST's one-row steps
-  //   with the AVX-512 kernels ran about 10% (B16 H8 D64) and 5% (B1 H32
-  //   D128) faster so than with the next part, FLOAT32's within the noise
-  //   (AMD EPYC with avx512_bf16, 2026-12-05), and slower with nothing or
-  //   into L2 (docs/decode-log.md). Not on Intel's CPUs (KernelsFor).
-  enum class OneRow { kNextPart, kNone, kAhead };
-  OneRow one_row_prefetch = OneRow::kNextPart;
+  // Whether to prefetch the next part for items of one query row (into L2,
+  // as for steps of several rows per cached row, grouped-query, which ran
+  // twice as slow without, 2026-12-04). The AVX2 kernels' one-row steps ran
+  // 20-35% faster without (B16 H8 D64, B9 and B1 H32 D128, FLOAT32 and
+  // BFLOAT16, AMD EPYC with memory at 34-51 GB/s, 2026-12-04): there the
+  // CPU's own prefetchers keep up with a plain stream, and the next part's
+  // prefetches only compete with them.
+  bool prefetch_one_row = true;
+  // Where set, items of one query row take these instead, prefetching the
+  // part they read kPrefetchAhead bytes ahead of the reads, into L1. FAST's
+  // one-row steps with the AVX-512 kernels ran about 10% (B16 H8 D64) and
+  // 5% (B1 H32 D128) faster so than with the next part, FLOAT32's within
+  // the noise (AMD EPYC with avx512_bf16, 2026-12-05), and slower with
+  // nothing or into L2 (docs/decode-log.md). Not on Intel's CPUs
+  // (KernelsFor).
   ScoresFn scores_ahead = nullptr;
   AccumulateFn accumulate_ahead = nullptr;
 };
@@ -1047,11 +1045,13 @@ bool UseDotProducts(int64_t rows) {
 
 #ifdef ATTN_DECODE_AVX512
 template <Math kMath>
-void SetAvx512Kernels(bool vector_values, BlockKernels& k) {
+void SetAvx512Kernels(bool vector_values, bool one_row_ahead, BlockKernels& k) {
   k.scores = &Avx512Scores<kMath, Fetch::kL2>;
-  k.scores_ahead = &Avx512Scores<kMath, Fetch::kL1>;
   if (vector_values) k.accumulate = &Avx512Accumulate<kMath, Fetch::kL2>;
-  k.accumulate_ahead = vector_values ? &Avx512Accumulate<kMath, Fetch::kL1> : k.accumulate;
+  if (one_row_ahead) {
+    k.scores_ahead = &Avx512Scores<kMath, Fetch::kL1>;
+    k.accumulate_ahead = vector_values ? &Avx512Accumulate<kMath, Fetch::kL1> : k.accumulate;
+  }
 }
 #endif
 
@@ -1093,7 +1093,7 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
     const decode::Avx2Kernels avx2 = decode::Avx2KernelsFor(bf16);
     k.scores = avx2.scores;
     if (vector_values) k.accumulate = avx2.accumulate;
-    k.one_row_prefetch = BlockKernels::OneRow::kNone;
+    k.prefetch_one_row = false;
     return k;
   }
 #ifdef ATTN_DECODE_AVX512
@@ -1101,25 +1101,24 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
   if (vector != VectorKernels::kAvx512) return k;
   if (math == Math::kBFloat16Dot && !avx512_bf16) math = Math::kBFloat16;
   k.scores_math = math;
+  // One-row items prefetch ahead where one pass reads their value rows
+  // (kMostChunksOf): a row read several times over, a part at a time,
+  // would take its prefetched lines out of L1 before the later passes come
+  // to them. Not on Intel's CPUs, where it is not measured and the next
+  // part met the targets (T0 there read 10% slower than T1 when it was the
+  // next part that came in).
+  static const bool intel = __builtin_cpu_is("intel");
+  const bool one_row_ahead = !intel && value_dim <= 16 * kMostChunksOf<Math::kFloat32, 1>;
   switch (math) {
     case Math::kFloat32:
-      SetAvx512Kernels<Math::kFloat32>(vector_values, k);
+      SetAvx512Kernels<Math::kFloat32>(vector_values, one_row_ahead, k);
       break;
     case Math::kBFloat16:
-      SetAvx512Kernels<Math::kBFloat16>(vector_values, k);
+      SetAvx512Kernels<Math::kBFloat16>(vector_values, one_row_ahead, k);
       break;
     case Math::kBFloat16Dot:
-      SetAvx512Kernels<Math::kBFloat16Dot>(vector_values, k);
+      SetAvx512Kernels<Math::kBFloat16Dot>(vector_values, one_row_ahead, k);
       break;
-  }
-  // Value rows read in one pass (kMostChunksOf): a row read several times
-  // over, a part at a time, would take its prefetched lines out of L1
-  // before the later passes come to them. Not on Intel's CPUs, where it is
-  // not measured and the next part met the targets (T0 there read 10%
-  // slower than T1 when it was the next part that came in).
-  static const bool intel = __builtin_cpu_is("intel");
-  if (!intel && value_dim <= 16 * kMostChunksOf<Math::kFloat32, 1>) {
-    k.one_row_prefetch = BlockKernels::OneRow::kAhead;
   }
 #endif
   return k;
@@ -1152,7 +1151,7 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
                                                                             : Math::kBFloat16;
   const BlockKernels kernels = KernelsFor(dv, math);
   // One query row per item whose kernels prefetch the part they read.
-  const bool ahead = rows == 1 && kernels.one_row_prefetch == BlockKernels::OneRow::kAhead;
+  const bool ahead = rows == 1 && kernels.scores_ahead != nullptr;
   const ScoresFn scores_fn = ahead ? kernels.scores_ahead : kernels.scores;
   const AccumulateFn accumulate_fn = ahead ? kernels.accumulate_ahead : kernels.accumulate;
   // Scores of every query row against one block.
@@ -1223,7 +1222,7 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
       if (ahead) {
         next_k = static_cast<const char*>(kb) + kPrefetchAhead;
         next_v = static_cast<const char*>(vb) + kPrefetchAhead;
-      } else if ((rows > 1 || kernels.one_row_prefetch == BlockKernels::OneRow::kNextPart) &&
+      } else if ((rows > 1 || kernels.prefetch_one_row) &&
                  (k + 1 < count || block + 1 < u.end_block)) {
         const int64_t next_block = k + 1 < count ? block : block + 1;
         const int64_t next_head = items[u.first_item + (k + 1) % count].kv_head;
