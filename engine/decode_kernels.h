@@ -62,8 +62,9 @@ struct SoftmaxRows {
 // key_dim rounded up to even bfloat16 (the pad 0). next_k (may be null):
 // prefetched meanwhile, a stored key row's bytes per row the kernel reads,
 // so that the thread keeps memory busy: the next part's keys, or where the
-// kernel will read next (engine/decode.cc's BlockKernels). The vector kernels compute whole blocks
-// (the rows past n are zeros); the softmax step weighs only each row's visible keys.
+// kernel will read next (engine/decode.cc's BlockKernels). The vector
+// kernels compute whole blocks (the rows past n are zeros); the softmax
+// step weighs only each row's visible keys.
 using ScoresFn = void (*)(const void* const* q, int rows, const void* kt, int64_t n, int64_t d,
                           float scale, float* s, const char* next_k, const SoftmaxRows& softmax);
 
