@@ -182,7 +182,7 @@ Metrics::Metrics()
     : batch_size_(BatchSizeBuckets().size()),
       not_computed_{{"cancelled", 0}, {"deadline_exceeded", 0}},
       interrupted_{{"cancelled", 0}, {"deadline_exceeded", 0}},
-      sessions_ended_{{"closed", 0}, {"evicted", 0}, {"expired", 0}, {"failed", 0}} {
+      sessions_ended_{{"closed", 0}, {"evicted", 0}, {"expired", 0}} {
   // The limits whose OverLimitError a call can get (engine/engine.cc,
   // memory_budget.cc, session_store.cc, attention_service.cc).
   for (const char* method : {"Attend", "AttendStream"}) {
@@ -392,8 +392,7 @@ std::string Metrics::RenderPrometheus() const {
   AppendSample("attention_session_pooled_bytes", "", absl::StrCat(PooledSessionBlockBytes()),
                &out);
   by_reason("attention_sessions_ended_total",
-            "Sessions ended: closed by their caller, evicted for memory, expired when idle, or "
-            "removed again because the request creating them failed.",
+            "Sessions ended: closed by their caller, evicted for memory, or expired when idle.",
             sessions_ended_);
   AppendHeader("attention_session_cache_limit_bytes", "gauge",
                "Bytes all sessions' caches may hold (--session_memory_mb); 0: sessions off.",

@@ -105,9 +105,8 @@ class Metrics {
     sessions_open_.store(open, std::memory_order_relaxed);
     session_cache_bytes_.store(cache_bytes, std::memory_order_relaxed);
   }
-  // A session ended: "closed" (by its caller), "evicted" (for memory),
-  // "expired" (idle), "failed" (created by a request that failed); all
-  // rendered from the start, at 0.
+  // A session ended: "closed" (by its caller), "evicted" (for memory) or
+  // "expired" (idle); all rendered from the start, at 0.
   void CountSessionEnded(absl::string_view reason);
   // Rows committed to sessions.
   void AddSessionRows(int64_t rows) { session_rows_.fetch_add(rows, std::memory_order_relaxed); }

@@ -235,13 +235,15 @@ void SessionStore::RemoveLocked(const std::string& id, const char* reason) {
   if (it == sessions_.end()) return;
   bytes_ -= it->second.cache->bytes();
   bookkeeping_ -= Bookkeeping(id);
+  const bool opened = !it->second.created_by_holder;
+  if (!opened) --creating_;
   sessions_.erase(it);
-  if (metrics_ != nullptr) metrics_->CountSessionEnded(reason);
+  if (metrics_ != nullptr && opened) metrics_->CountSessionEnded(reason);
 }
 
 void SessionStore::PublishLocked() {
   if (metrics_ != nullptr) {
-    metrics_->SetSessions(static_cast<int64_t>(sessions_.size()), HeldLocked());
+    metrics_->SetSessions(OpenLocked(), HeldLocked());
   }
 }
 
@@ -348,6 +350,7 @@ absl::StatusOr<std::vector<KvCache*>> SessionStore::Begin(SessionRequest& reques
       s.created_by_holder = true;
       sessions_.emplace(id, std::move(s));
       bookkeeping_ += Bookkeeping(id);
+      ++creating_;
     }
     caches.push_back(sessions_.at(id).cache.get());
   }
@@ -447,10 +450,13 @@ std::vector<int64_t> SessionStore::Finish(const SessionRequest& request, bool ok
       if (ok && !request.read_only) s.last_step_id = request.step_id;
       positions.push_back(s.cache->length());
       if (!ok && s.created_by_holder) {
-        RemoveLocked(id, "failed");
+        RemoveLocked(id, nullptr);  // never opened
         continue;
       }
-      s.created_by_holder = false;
+      if (s.created_by_holder) {
+        s.created_by_holder = false;
+        --creating_;
+      }
       // A failed request leaves its sessions open, close or not.
       if (ok && request.close) RemoveLocked(id, "closed");
     }
@@ -530,7 +536,7 @@ absl::StatusOr<v1::SessionInfo> SessionStore::Info(const std::string& id) {
 
 int64_t SessionStore::open() const {
   absl::MutexLock lock(&mu_);
-  return static_cast<int64_t>(sessions_.size());
+  return OpenLocked();
 }
 
 int64_t SessionStore::bytes() const {

@@ -164,7 +164,9 @@ class SessionStore {
   // are off.
   absl::StatusOr<v1::SessionInfo> Info(const std::string& id);
 
-  // Sessions open and the bytes of their caches.
+  // Sessions open (created by a request that succeeded: one still being
+  // created is not yet, and one whose create fails never was) and the
+  // bytes of their caches.
   int64_t open() const;
   int64_t bytes() const;
   // Ends the sessions idle past the limit now (what the sweeper does).
@@ -208,7 +210,13 @@ class SessionStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The sweeper's loop, until the store is destroyed.
   void Sweep();
+  // Removes a session; one that had opened counts as ended for `reason`,
+  // one whose creating request failed (created_by_holder) as nothing.
   void RemoveLocked(const std::string& id, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sessions open: those whose creating request has succeeded.
+  int64_t OpenLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return static_cast<int64_t>(sessions_.size()) - creating_;
+  }
   void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A session's cost beyond its blocks (Options::bookkeeping_bytes).
   int64_t Bookkeeping(const std::string& id) const {
@@ -237,6 +245,7 @@ class SessionStore {
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // caches' blocks
   int64_t bookkeeping_ ABSL_GUARDED_BY(mu_) = 0;  // Bookkeeping() of every session
   int64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // growth of requests computing
+  int64_t creating_ ABSL_GUARDED_BY(mu_) = 0;  // sessions whose create is in flight
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread sweeper_;  // last: it starts once the rest is built
 };

@@ -312,7 +312,7 @@ TEST(MetricsTest, EmptyMetricsRenderEveryFamily) {
               Optional(0.0));
   EXPECT_THAT(exposition.Value("attention_not_computed_total", {{"reason", "deadline_exceeded"}}),
               Optional(0.0));
-  for (const char* reason : {"closed", "evicted", "expired", "failed"}) {
+  for (const char* reason : {"closed", "evicted", "expired"}) {
     EXPECT_THAT(exposition.Value("attention_sessions_ended_total", {{"reason", reason}}),
                 Optional(0.0));
   }

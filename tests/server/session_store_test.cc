@@ -20,6 +20,7 @@
 namespace attention::server {
 namespace {
 
+using ::testing::_;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -234,7 +235,7 @@ TEST(SessionStoreTest, EvictsTheLeastRecentlyUsedIdleSessionOnly) {
                                  "idle ones; retry once those requests end")));
   store.Finish(fourth, false);
   EXPECT_THAT(store.Info("fourth"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("not open")));
-  EXPECT_EQ(store.open(), 2);
+  EXPECT_EQ(store.open(), 1);  // "new": "third" opens when its request succeeds
 }
 
 TEST(SessionStoreTest, ARequestRefusedBeforeItReservesEvictsNothingAndUsesNothing) {
@@ -261,6 +262,69 @@ TEST(SessionStoreTest, ARequestRefusedBeforeItReservesEvictsNothingAndUsesNothin
   CreateIdle(store, now, {"d"});
   EXPECT_THAT(store.Info("a"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("not open")));
   EXPECT_THAT(store.Info("b"), IsOk());
+}
+
+// A session opens when the request creating it succeeds: while it computes
+// it is not counted open, and a create refused by the cap or failing later
+// never opened, so it ends as nothing (it used to count as "failed", and
+// flickered attention_sessions_open).
+TEST(SessionStoreTest, ASessionOpensWhenItsCreateSucceeds) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  const int64_t block = KvCache::kBlockRows * 8 * 4;
+  Metrics metrics;
+  SessionStore store({3 * block, absl::InfiniteDuration()}, &metrics, [&] { return now; });
+  const auto open_gauge = [&] {
+    const std::string text = metrics.RenderPrometheus();
+    const size_t at = text.find("\nattention_sessions_open ");
+    return at == std::string::npos ? std::string("(none)")
+                                   : text.substr(at + 1, text.find('\n', at + 1) - at - 1);
+  };
+  CreateIdle(store, now, {"a"});
+  EXPECT_EQ(open_gauge(), "attention_sessions_open 1");
+
+  SessionRequest refused = Request("big", 0, true, 4 * KvCache::kBlockRows);
+  store.Acquire(refused.ids, [](bool) {});
+  ASSERT_THAT(store.Begin(refused, Kind()), IsOk());
+  EXPECT_EQ(store.open(), 1);
+  EXPECT_EQ(open_gauge(), "attention_sessions_open 1");
+  EXPECT_THAT(store.Reserve(refused), StatusIs(absl::StatusCode::kResourceExhausted, _));
+  store.Finish(refused, false);
+
+  SessionRequest failing = Request("b", 0, true, 1);
+  store.Acquire(failing.ids, [](bool) {});
+  ASSERT_THAT(store.Begin(failing, Kind()), IsOk());
+  ASSERT_THAT(store.Reserve(failing), IsOk());
+  EXPECT_EQ(open_gauge(), "attention_sessions_open 1");
+  store.Finish(failing, false);  // the compute failed, say
+  EXPECT_EQ(store.open(), 1);
+  EXPECT_EQ(open_gauge(), "attention_sessions_open 1");
+
+  SessionRequest create = Request("c", 0, true, 1);
+  store.Acquire(create.ids, [](bool) {});
+  absl::StatusOr<std::vector<KvCache*>> caches = store.Begin(create, Kind());
+  ASSERT_THAT(caches, IsOk());
+  ASSERT_THAT(store.Reserve(create), IsOk());
+  Append(*caches, 1);
+  store.Finish(create, true);
+  EXPECT_EQ(store.open(), 2);
+  EXPECT_EQ(open_gauge(), "attention_sessions_open 2");
+
+  // Created and closed by one request: opened, then closed (no eviction
+  // needed: three blocks hold "a", "c" and it).
+  SessionRequest once = Request("once", 0, true, 1);
+  once.close = true;
+  store.Acquire(once.ids, [](bool) {});
+  caches = store.Begin(once, Kind());
+  ASSERT_THAT(caches, IsOk());
+  ASSERT_THAT(store.Reserve(once), IsOk());
+  Append(*caches, 1);
+  store.Finish(once, true);
+  EXPECT_EQ(store.open(), 2);
+
+  const std::string text = metrics.RenderPrometheus();
+  EXPECT_THAT(text, HasSubstr("attention_sessions_ended_total{reason=\"closed\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("attention_sessions_ended_total{reason=\"evicted\"} 0\n"));
+  EXPECT_THAT(text, Not(HasSubstr("reason=\"failed\"")));
 }
 
 TEST(SessionStoreTest, ARequestLargerThanTheLimitIsToldSo) {
