@@ -191,10 +191,13 @@ TEST(SessionStoreTest, FailedRequestsChangeNothingAndIdleSessionsExpire) {
   EXPECT_EQ(store.bytes(), 0);
 }
 
-// Creates idle sessions `ids` of one row each, a second apart.
-void CreateIdle(SessionStore& store, absl::Time& now, const std::vector<std::string>& ids) {
+// Creates idle sessions `ids` of one row each, a second apart; with
+// `close`, each request closes its session too.
+void CreateIdle(SessionStore& store, absl::Time& now, const std::vector<std::string>& ids,
+                bool close = false) {
   for (const std::string& id : ids) {
     SessionRequest r = Request(id, 0, true, 1);
+    r.close = close;
     store.Acquire(r.ids, [](bool) {});
     absl::StatusOr<std::vector<KvCache*>> caches = store.Begin(r, Kind());
     ASSERT_THAT(caches, IsOk());
@@ -299,26 +302,13 @@ TEST(SessionStoreTest, ASessionOpensWhenItsCreateSucceeds) {
   EXPECT_EQ(store.open(), 1);
   EXPECT_EQ(open_gauge(), "attention_sessions_open 1");
 
-  SessionRequest create = Request("c", 0, true, 1);
-  store.Acquire(create.ids, [](bool) {});
-  absl::StatusOr<std::vector<KvCache*>> caches = store.Begin(create, Kind());
-  ASSERT_THAT(caches, IsOk());
-  ASSERT_THAT(store.Reserve(create), IsOk());
-  Append(*caches, 1);
-  store.Finish(create, true);
+  CreateIdle(store, now, {"c"});
   EXPECT_EQ(store.open(), 2);
   EXPECT_EQ(open_gauge(), "attention_sessions_open 2");
 
   // Created and closed by one request: opened, then closed (no eviction
   // needed: three blocks hold "a", "c" and it).
-  SessionRequest once = Request("once", 0, true, 1);
-  once.close = true;
-  store.Acquire(once.ids, [](bool) {});
-  caches = store.Begin(once, Kind());
-  ASSERT_THAT(caches, IsOk());
-  ASSERT_THAT(store.Reserve(once), IsOk());
-  Append(*caches, 1);
-  store.Finish(once, true);
+  CreateIdle(store, now, {"once"}, /*close=*/true);
   EXPECT_EQ(store.open(), 2);
 
   const std::string text = metrics.RenderPrometheus();
