@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -211,9 +212,28 @@ int PositiveMillis(absl::Duration d) {
   return static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(d)));
 }
 
-absl::Status ToAbslStatus(const grpc::Status& status) {
+// A failed call's status. gRPC's only word when a server refuses the TLS
+// handshake (a client certificate missing or not trusted) or a plaintext
+// connection to its TLS port is "Socket closed": there the message also
+// says which of the client's settings could be why.
+absl::Status ToAbslStatus(const grpc::Status& status, const ClientOptions& options) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  const auto code = static_cast<absl::StatusCode>(status.error_code());
+  if (code != absl::StatusCode::kUnavailable ||
+      !absl::StrContains(status.error_message(), "Socket closed")) {
+    return absl::Status(code, status.error_message());
+  }
+  const char* hint =
+      !options.UsesTls()
+          ? "a server that serves TLS closes plaintext connections: if this one does, set "
+            "tls_ca_file (attention_cli: --tls_ca)"
+      : options.tls_cert_file.empty()
+          ? "a server that requires client certificates (mTLS) closes the connection of a "
+            "client without one: if this one does, set tls_cert_file and tls_key_file "
+            "(attention_cli: --tls_cert, --tls_key)"
+          : "a server that requires client certificates (mTLS) closes the connection of a "
+            "client whose certificate its --tls_client_ca did not sign: check tls_cert_file";
+  return absl::Status(code, absl::StrCat(status.error_message(), " (", hint, ")"));
 }
 
 // The options' timeout is a deadline: positive and finite.
@@ -260,7 +280,7 @@ absl::StatusOr<Response> Call(const ClientOptions& options, Stub& stub, Method m
   Response response;
   grpc::Status status = (stub.*method)(&context, request, &response);
   if (call.replica != nullptr) *call.replica = ReplicaOf(context);
-  if (!status.ok()) return ToAbslStatus(status);
+  if (!status.ok()) return ToAbslStatus(status, options);
   return response;
 }
 
@@ -363,7 +383,7 @@ struct AttendStream::Impl {
     if (why.has_value()) {
       ended = *std::move(why);
     } else if (!status.ok()) {
-      ended = ToAbslStatus(status);
+      ended = ToAbslStatus(status, options);
     } else if (!unanswered.empty()) {
       ended = absl::UnavailableError(unanswered);
     }

@@ -162,6 +162,7 @@ class Settings:
         # Any TLS argument turns TLS on, as the C++ client's options do: a
         # server name alone verifies the server against the system's roots.
         self.tls = tls_ca is not None or tls_cert is not None or bool(tls_server_name)
+        self.client_certificate = tls_cert is not None
         self.credentials = None
         ca = _read("tls_ca", tls_ca)
         if self.tls:
@@ -174,6 +175,18 @@ class Settings:
         # certificate and key), which are not written into saved models.
         self.public_arguments = {"tls_ca": ca, "tls_server_name": tls_server_name,
                                  "timeout": timeout, "max_message_mb": max_message_mb}
+
+    def closed_socket_hint(self):
+        """Which of these arguments could be why a server closed the
+        connection during the handshake (_errors.from_rpc_error)."""
+        if not self.tls:
+            return ("a server that serves TLS closes plaintext connections: if this one does, "
+                    "pass tls_ca")
+        if not self.client_certificate:
+            return ("a server that requires client certificates (mTLS) closes the connection of "
+                    "a client without one: if this one does, pass tls_cert and tls_key")
+        return ("a server that requires client certificates (mTLS) closes the connection of a "
+                "client whose certificate its --tls_client_ca did not sign: check tls_cert")
 
     def call_metadata(self, affinity):
         """A call's metadata: the token's, and "attention-affinity" when the

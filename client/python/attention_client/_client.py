@@ -53,7 +53,7 @@ class Client:
             return method(request, timeout=self._settings.call_timeout(timeout),
                           metadata=self._settings.call_metadata(affinity))
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._settings) from None
 
     def attend(self, query, key=None, value=None, *, timeout=..., **fields):
         """Attention of `query` over `key` and `value` (numpy arrays or torch
@@ -85,7 +85,7 @@ class Client:
         except grpc.RpcError as e:
             if encoded.error is not None:
                 raise encoded.error from None
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._settings) from None
         finally:
             call.cancel()
         if encoded.error is not None:
@@ -159,7 +159,7 @@ class Client:
             try:
                 answers.append(call.result())
             except grpc.RpcError as e:
-                answers.append(from_rpc_error(e))
+                answers.append(from_rpc_error(e, self._settings))
         return merge_closed(answers)
 
 

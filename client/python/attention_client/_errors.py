@@ -48,10 +48,17 @@ def code_of(number):
     return _CODES.get(number, grpc.StatusCode.UNKNOWN)
 
 
-def from_rpc_error(error):
-    """An AttentionError from a grpc.RpcError (or grpc.aio.AioRpcError)."""
+def from_rpc_error(error, settings=None):
+    """An AttentionError from a grpc.RpcError (or grpc.aio.AioRpcError). gRPC's
+    only word when a server refuses the TLS handshake (a client certificate
+    missing or not trusted) or a plaintext connection to its TLS port is
+    "Socket closed": with the client's `settings` (_channel.Settings), the
+    message then also says which of its arguments could be why."""
     if isinstance(error, AttentionError):
         return error
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-    details = error.details() if hasattr(error, "details") else str(error)
-    return AttentionError(code or grpc.StatusCode.UNKNOWN, details or "")
+    details = (error.details() if hasattr(error, "details") else str(error)) or ""
+    if settings is not None and code == grpc.StatusCode.UNAVAILABLE \
+            and "Socket closed" in details:
+        details += f" ({settings.closed_socket_hint()})"
+    return AttentionError(code or grpc.StatusCode.UNKNOWN, details)

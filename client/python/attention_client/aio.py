@@ -65,7 +65,7 @@ class Client:
             return await method(request, timeout=self._settings.call_timeout(timeout),
                                 metadata=self._settings.call_metadata(affinity))
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._settings) from None
         except asyncio.CancelledError:
             self._raise_if_closed_during_call()
             raise
@@ -101,7 +101,7 @@ class Client:
         except grpc.RpcError as e:
             if encoded.error is not None:
                 raise encoded.error from None
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._settings) from None
         except asyncio.CancelledError:
             self._raise_if_closed_during_call()
             raise
@@ -239,7 +239,7 @@ class _StepStream:
                 f"no answer on the session's AttendStream within {timeout} s (the stream is "
                 "cancelled; the next step opens another)") from None
         except grpc.RpcError as e:  # the stream ended so
-            raise self._ended(call, from_rpc_error(e)) from None
+            raise self._ended(call, from_rpc_error(e, self._client._settings)) from None
         except asyncio.CancelledError:  # the caller's task: the answer may still come
             self.cancel()
             self._client._raise_if_closed_during_call()

@@ -986,6 +986,30 @@ class SecurityTest(unittest.TestCase):
             with self.assertRaises(AttentionError) as e:
                 c.health()
             self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+            # gRPC says only "Socket closed"; the client says what could be why.
+            self.assertIn("Socket closed", e.exception.details())
+            self.assertIn("closes plaintext connections: if this one does, pass tls_ca",
+                          e.exception.details())
+
+    def test_a_client_an_mtls_server_refuses_is_told_what_could_be_why(self):
+        d = self.dir.name
+        mtls = Server(flags=["--tls_cert", f"{d}/server.pem", "--tls_key", f"{d}/server.key",
+                             "--tls_client_ca", self.ca])
+        self.addCleanup(mtls.stop)
+        # The server's certificate, signed by the CA but for server use only,
+        # is refused as a client's.
+        for make in (attention_client.Client, attention_client.aio.Client):
+            for cert, hint in ((None, "without one: if this one does, pass tls_cert and tls_key"),
+                               ("server", "did not sign: check tls_cert")):
+                files = {} if cert is None else {"tls_cert": f"{d}/{cert}.pem",
+                                                 "tls_key": f"{d}/{cert}.key"}
+                with self.subTest(make.__module__, cert=cert), \
+                        self.assertRaises(AttentionError) as e:
+                    call_on_new_client(make, mtls.target, lambda c: c.health(), tls_ca=self.ca,
+                                       timeout=5, **files)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.UNAVAILABLE)
+                self.assertIn("Socket closed", e.exception.details())
+                self.assertIn(hint, e.exception.details())
 
     def test_a_server_name_alone_turns_tls_on(self):
         # It was taken for plaintext: the call, token and all, went in the
