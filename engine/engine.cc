@@ -22,6 +22,7 @@
 #include "engine/multihead.h"
 #include "engine/reference.h"
 #include "engine/session_forward.h"
+#include "engine/thread_binding.h"
 
 namespace attention {
 namespace {
@@ -187,6 +188,8 @@ struct Engine::Impl {
   // once, since std::thread::hardware_concurrency reads a file under /sys
   // each time (20-35 us per call on the Intel host, docs/decode-log.md).
   int cost_threads = 1;
+  // Engine::bound_cpus.
+  std::vector<int> bound_cpus;
 
   absl::Mutex mu;
   std::deque<std::function<void()>> queue ABSL_GUARDED_BY(mu);
@@ -243,7 +246,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   } else {
     ATTN_ASSIGN_OR_RETURN(impl->backend, internal::MakeOneDnnBackend(threads));
   }
-  impl->worker = std::thread([p = impl.get()] { p->Loop(); });
+  if (options.bind_threads) {
+    impl->bound_cpus = internal::CpusToBind(internal::AllowedCpus(), impl->backend->threads());
+  }
+  impl->worker = std::thread([p = impl.get()] {
+    internal::BindTeamOfThisThread(p->bound_cpus);
+    p->Loop();
+  });
   return std::unique_ptr<Engine>(new Engine(options, std::move(impl)));
 }
 
@@ -263,6 +272,8 @@ int Engine::CostThreads() const { return impl_->cost_threads; }
 std::string Engine::backend_name() const { return impl_->backend->name(); }
 std::string Engine::isa() const { return impl_->backend->isa(); }
 int Engine::threads() const { return impl_->backend->threads(); }
+const std::vector<int>& Engine::bound_cpus() const { return impl_->bound_cpus; }
+bool Engine::BindThisThread() const { return internal::BindTeamOfThisThread(impl_->bound_cpus); }
 
 absl::StatusOr<AttentionResult> Engine::Attend(const AttentionArgs& args) const {
   const EngineCall call{&args, nullptr};

@@ -59,6 +59,11 @@ struct EngineOptions {
   // Most work one call may take (CallCost::flops), so that no single call
   // holds the cores for minutes (2e12 is some 10-20 s here); 0 means no limit.
   double max_request_flops = 2e12;
+  // Binds each compute thread to a CPU of its own when the process may run on
+  // exactly `threads` CPUs (Engine::bound_cpus): the thread leading a pass to
+  // the first, thread t of its OpenMP team to the (t+1)-th. Why, and when it
+  // does nothing: engine/thread_binding.h.
+  bool bind_threads = true;
 };
 
 // RESOURCE_EXHAUSTED for a request over one of the per-request limits, which
@@ -121,6 +126,14 @@ class Engine {
   std::string isa() const;
   // Compute threads in use.
   int threads() const;
+  // The CPUs the compute threads are bound to, in team order (the leading
+  // thread's first); empty when they are not (EngineOptions::bind_threads).
+  const std::vector<int>& bound_cpus() const;
+  // Binds the calling thread, which leads passes from now on
+  // (AttendBatchFromThisThread, as the server's scheduler does), and the
+  // threads of its OpenMP teams to bound_cpus(); a no-op when that is empty.
+  // The engine's worker thread binds itself so. Returns whether it bound.
+  bool BindThisThread() const;
 
  private:
   struct Impl;
