@@ -66,6 +66,10 @@ ABSL_FLAG(std::string, engine, "onednn",
 ABSL_FLAG(int32_t, engine_threads, 0,
           "Threads the engine computes on; 0 means one per core. A batch uses up to all of "
           "them; small calls compute beside each other, one thread each, up to this many");
+ABSL_FLAG(bool, bind_engine_threads, true,
+          "Bind each engine thread to a CPU of its own when the process may run on exactly "
+          "--engine_threads CPUs (docs/serving.md, \"CPU binding\"); false leaves their "
+          "placement to the OS");
 ABSL_FLAG(int64_t, max_queue, attention::ServerOptions().max_queue,
           "Requests that may wait for compute at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, max_batch_size, attention::ServerOptions().max_batch_size,
@@ -180,6 +184,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   options.engine.threads = absl::GetFlag(FLAGS_engine_threads);
+  options.engine.bind_threads = absl::GetFlag(FLAGS_bind_engine_threads);
   options.max_queue = absl::GetFlag(FLAGS_max_queue);
   options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);

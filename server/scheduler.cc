@@ -6,8 +6,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
 
 namespace attention::server {
 
@@ -113,6 +115,12 @@ int64_t Scheduler::queue_depth() const {
 }
 
 void Scheduler::Loop() {
+  // The dispatcher leads the engine's passes: it and its OpenMP team each
+  // keep a CPU of their own where the engine binds them (Engine::bound_cpus).
+  if (!engine_->bound_cpus().empty() && !engine_->BindThisThread()) {
+    spdlog::warn("could not bind the engine's threads to CPUs {} (sched_setaffinity refused?)",
+                 absl::StrJoin(engine_->bound_cpus(), ","));
+  }
   while (true) {
     std::deque<Job> batch;
     int64_t depth;

@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -296,11 +297,13 @@ absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Create(
   health->SetServingStatus("", true);
   health->SetServingStatus(v1::AttentionService::service_full_name(), true);
   if (impl->metrics_server) impl->metrics_server->SetReady();  // /readyz follows health
-  spdlog::info("serving on {} (engine {} {} x{}, {} models, tls {}, auth {}, metrics port {})",
+  const std::vector<int>& cpus = impl->engine->bound_cpus();
+  spdlog::info("serving on {} (engine {} {} x{}{}, {} models, tls {}, auth {}, metrics port {})",
                impl->address, impl->engine->backend_name(), impl->engine->isa(),
-               impl->engine->threads(), impl->models->models().size(),
-               options.tls_cert_file.empty() ? "off" : "on", impl->auth ? "on" : "off",
-               impl->metrics_server ? impl->metrics_server->port() : -1);
+               impl->engine->threads(),
+               cpus.empty() ? "" : absl::StrCat(" bound to CPUs ", absl::StrJoin(cpus, ",")),
+               impl->models->models().size(), options.tls_cert_file.empty() ? "off" : "on",
+               impl->auth ? "on" : "off", impl->metrics_server ? impl->metrics_server->port() : -1);
   return std::unique_ptr<AttentionServer>(new AttentionServer(std::move(impl)));
 }
 

@@ -13,6 +13,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/tensors.h"
+#include "engine/thread_binding.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/convert.h"
@@ -223,6 +224,32 @@ TEST_F(SchedulerTest, AnIdleSchedulerComputesASmallJobOnTheSubmittingThread) {
   EXPECT_EQ(ran_on, std::this_thread::get_id());
   EXPECT_THAT(out.result, testing::IsOk());
   EXPECT_EQ(out.timing.batch_size, 1);
+}
+
+TEST_F(SchedulerTest, TheDispatcherKeepsTheEnginesFirstBoundCpu) {
+  // An engine of one thread per CPU this process may run on: bound where
+  // that is two or more (and OMP_THREAD_LIMIT allows as many).
+  const std::vector<int> allowed = internal::AllowedCpus();
+  EngineOptions options;
+  options.threads = static_cast<int>(allowed.size());
+  std::unique_ptr<Engine> engine = std::move(Engine::Create(options)).value();
+  const bool binds = allowed.size() > 1 && engine->threads() == options.threads;
+  ASSERT_EQ(engine->bound_cpus(), binds ? allowed : std::vector<int>{});
+  Scheduler scheduler(engine.get(), 8);
+  Outcome out;
+  std::vector<int> dispatcher_cpus;
+  Job job = MakeJob(&out);  // queued: the dispatcher computes it and answers
+  job.done = [&out, &dispatcher_cpus](absl::StatusOr<AttentionResult> r, const JobTiming&) {
+    dispatcher_cpus = internal::AllowedCpus();
+    out.result = std::move(r);
+    out.done.Notify();
+  };
+  ASSERT_THAT(scheduler.Submit(std::move(job)), testing::IsOk());
+  out.done.WaitForNotification();
+  EXPECT_THAT(out.result, testing::IsOk());
+  EXPECT_EQ(dispatcher_cpus, binds ? std::vector<int>{allowed.front()} : allowed);
+  // The submitting thread is left alone.
+  EXPECT_EQ(internal::AllowedCpus(), allowed);
 }
 
 TEST_F(SchedulerTest, ASmallJobWaitsItsTurnWhileTheEngineIsBusy) {
