@@ -184,9 +184,9 @@ std::string RequestOverLimit(const absl::Status& status) {
 // bypasses it: its caller's thread leads the OpenMP team instead.
 struct Engine::Impl {
   std::unique_ptr<internal::ComputeBackend> backend;
-  // options.threads, or the cores online when the engine was created: read
-  // once, since std::thread::hardware_concurrency reads a file under /sys
-  // each time (20-35 us per call on the Intel host, docs/decode-log.md).
+  // options.threads, or one per CPU the creating thread may run on: counted
+  // once (std::thread::hardware_concurrency, which counted CPUs before, read
+  // a file under /sys per call: 20-35 us on the Intel host, docs/decode-log.md).
   int cost_threads = 1;
   // Engine::bound_cpus.
   std::vector<int> bound_cpus;
@@ -234,12 +234,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   }
   if (options.threads < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("engine threads ", options.threads, " must be >= 0 (0 means one per core)"));
+        absl::StrCat("engine threads ", options.threads, " must be >= 0 (0 means one per CPU)"));
   }
   auto impl = std::make_unique<Impl>();
-  const int threads = options.threads > 0
-                          ? options.threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // One per CPU this process may run on (its affinity mask: a container's
+  // cpuset, taskset), not per CPU online, which hardware_concurrency counts:
+  // under `taskset -c 0` that made two threads share one CPU.
+  const std::vector<int> allowed = internal::AllowedCpus();
+  const int threads = options.threads > 0 ? options.threads
+                      : allowed.empty()
+                          ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+                          : static_cast<int>(allowed.size());
   impl->cost_threads = threads;
   if (options.backend == Backend::kReference) {
     impl->backend = internal::MakeReferenceBackend();
@@ -247,7 +252,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     ATTN_ASSIGN_OR_RETURN(impl->backend, internal::MakeOneDnnBackend(threads));
   }
   if (options.bind_threads) {
-    impl->bound_cpus = internal::CpusToBind(internal::AllowedCpus(), impl->backend->threads());
+    impl->bound_cpus = internal::CpusToBind(allowed, impl->backend->threads());
   }
   impl->worker = std::thread([p = impl.get()] {
     internal::BindTeamOfThisThread(p->bound_cpus);

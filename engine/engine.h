@@ -45,7 +45,8 @@ enum class Backend {
 
 struct EngineOptions {
   Backend backend = Backend::kOneDnn;
-  // Threads one pass of a call may use (an OpenMP team); 0 means one per core.
+  // Threads one pass of a call may use (an OpenMP team); 0 means one per CPU
+  // the process may run on (its affinity mask).
   int threads = 0;
   // Largest element count of any one input tensor; 0 means no limit.
   int64_t max_tensor_elements = int64_t{1} << 28;

@@ -1,10 +1,14 @@
 // EngineOptions::bind_threads: which CPUs the engine binds its compute
-// threads to, and that a leading thread's OpenMP teams keep the binding.
+// threads to, and that a leading thread's OpenMP teams keep the binding;
+// and how many threads the engine takes by default.
 
 #include "engine/thread_binding.h"
 
 #include <omp.h>
+#include <pthread.h>
+#include <sched.h>
 
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -86,6 +90,25 @@ TEST(ThreadBindingTest, TheEngineBindsWhenItsThreadsAreTheProcessCpus) {
   const std::vector<int> before = AllowedCpus();
   EXPECT_FALSE(unbound->BindThisThread());
   EXPECT_EQ(AllowedCpus(), before);
+}
+
+TEST(ThreadBindingTest, DefaultThreadsAreOnePerCpuTheProcessMayRunOn) {
+  const std::vector<int> allowed = AllowedCpus();
+  ASSERT_FALSE(allowed.empty());
+  // As under `taskset -c CPU`: one CPU allowed, however many are online.
+  int threads = 0;
+  std::vector<int> bound = {-1};
+  std::thread([&] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(allowed.back(), &one);
+    ASSERT_EQ(pthread_setaffinity_np(pthread_self(), sizeof one, &one), 0);
+    std::unique_ptr<Engine> engine = std::move(Engine::Create({})).value();
+    threads = engine->threads();
+    bound = engine->bound_cpus();
+  }).join();
+  EXPECT_EQ(threads, 1);
+  EXPECT_THAT(bound, IsEmpty());
 }
 
 }  // namespace

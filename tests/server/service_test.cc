@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -15,6 +14,7 @@
 #include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/tensors.h"
+#include "engine/thread_binding.h"
 #include "gmock/gmock.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -72,8 +72,9 @@ TEST_F(ServiceTest, ServerInfoDescribesTheServer) {
   EXPECT_EQ(info->engine_backend(), "onednn");
   EXPECT_THAT(info->engine_isa(), Not(IsEmpty()));
   EXPECT_NE(info->engine_isa(), "generic");
-  // One per core, or fewer under OMP_THREAD_LIMIT (the TSan build runs with 1).
-  int threads = static_cast<int>(std::thread::hardware_concurrency());
+  // One per CPU this process may run on, or fewer under OMP_THREAD_LIMIT (the
+  // TSan build runs with 1).
+  int threads = static_cast<int>(internal::AllowedCpus().size());
   if (const char* limit = std::getenv("OMP_THREAD_LIMIT")) threads = std::min(threads, std::atoi(limit));
   EXPECT_EQ(info->engine_threads(), threads);
 }
