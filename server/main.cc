@@ -64,8 +64,9 @@ ABSL_FLAG(std::string, model_repository, ATTENTION_DEFAULT_MODEL_REPOSITORY,
 ABSL_FLAG(std::string, engine, "onednn",
           "Compute backend: onednn, or reference (plain loops, the test oracle; slow)");
 ABSL_FLAG(int32_t, engine_threads, 0,
-          "Threads the engine computes on; 0 means one per CPU the process may run on. A batch uses up to all of "
-          "them; small calls compute beside each other, one thread each, up to this many");
+          "Threads the engine computes on; 0 means one per CPU the process may run on. A "
+          "batch uses up to all of them; small calls compute beside each other, one thread "
+          "each, up to this many");
 ABSL_FLAG(bool, bind_engine_threads, true,
           "Bind each engine thread to a CPU of its own when the process may run on exactly "
           "--engine_threads CPUs (docs/serving.md, \"CPU binding\"); false leaves their "
