@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <thread>
 #include <vector>
 
 #include "engine/decode_kernels.h"
@@ -76,6 +77,8 @@ struct Unit {
   int64_t first_item = 0, end_item = 0;
   int64_t first_block = 0, end_block = 0;
   bool with_tail = false;
+  // The session's index among the pass's sessions.
+  int64_t session = 0;
   // In floats, from the start of the pass's partial results.
   std::vector<int64_t> partial_offset;
 };
@@ -414,6 +417,67 @@ ATTN_AVX512 inline __m512 Exp16Fast(__m512 x) {
 ATTN_AVX512 void ExpForTesting(bool fast, const float* x, float* y) {
   const __m512 v = _mm512_load_ps(x);
   _mm512_store_ps(y, fast ? Exp16Fast(v) : Exp16(v));
+}
+
+// Merge's sums for one query row whose ranges' largest max is `max` (finite,
+// no NaN among them), into out (dv floats, zeros): out = sum_u acc_u
+// e^(m_u - max) / sum_u l_u e^(m_u - max) over the ranges u that saw a key
+// (l_u > 0), in order; range u's [m, l, acc...] at first + u * stride. The
+// ranges' weights 16 at a time (one Exp16), the sums in registers 128
+// elements at a time. The portable loop (SSE2 at -O3) stores the sums back
+// after each range and calls exp for each: with it, a grouped-query pass's
+// merges took each thread 22-27 us, with this 16-19 (docs/decode-log.md).
+ATTN_AVX512 void Avx512MergeRow(const float* first, int64_t stride, int64_t units, int64_t dv,
+                                float max, float* out) {
+  constexpr int kRegs = 8;
+  float total = 0.0f;
+  for (int64_t u0 = 0; u0 < units; u0 += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, units - u0));
+    alignas(64) float m[16], w[16];
+    uint32_t seen = 0;
+    for (int i = 0; i < 16; ++i) {
+      m[i] = -std::numeric_limits<float>::infinity();
+      if (i >= count) continue;
+      const float* p = first + (u0 + i) * stride;
+      if (p[1] > 0) {
+        m[i] = p[0];
+        seen |= uint32_t{1} << i;
+      }
+    }
+    _mm512_store_ps(w, Exp16(_mm512_sub_ps(_mm512_load_ps(m), _mm512_set1_ps(max))));
+    for (uint32_t left = seen; left != 0; left &= left - 1) {
+      const int i = __builtin_ctz(left);
+      total += first[(u0 + i) * stride + 1] * w[i];
+    }
+    for (int64_t c = 0; c < dv; c += 16 * kRegs) {
+      __mmask16 lanes[kRegs];
+      __m512 a[kRegs];
+      ATTN_UNROLL
+      for (int k = 0; k < kRegs; ++k) {
+        const int64_t n = std::clamp<int64_t>(dv - c - 16 * k, 0, 16);
+        lanes[k] = static_cast<__mmask16>((uint32_t{1} << n) - 1);
+        a[k] = _mm512_maskz_loadu_ps(lanes[k], out + c + 16 * k);
+      }
+      for (uint32_t left = seen; left != 0; left &= left - 1) {
+        const int i = __builtin_ctz(left);
+        const float* acc = first + (u0 + i) * stride + 2 + c;
+        const __m512 wi = _mm512_set1_ps(w[i]);
+        ATTN_UNROLL
+        for (int k = 0; k < kRegs; ++k) {
+          a[k] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes[k], acc + 16 * k), wi, a[k]);
+        }
+      }
+      ATTN_UNROLL
+      for (int k = 0; k < kRegs; ++k) _mm512_mask_storeu_ps(out + c + 16 * k, lanes[k], a[k]);
+    }
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / total);
+  for (int64_t e = 0; e < dv; e += 16) {
+    const __mmask16 lanes =
+        static_cast<__mmask16>((uint32_t{1} << std::min<int64_t>(16, dv - e)) - 1);
+    _mm512_mask_storeu_ps(out + e, lanes,
+                          _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, out + e), inverse));
+  }
 }
 
 // The largest and the sum of x's lanes (NaN lanes: see the callers), in a
@@ -1282,6 +1346,7 @@ void Merge(const DecodeItem& it, const float* partials, int64_t units) {
   const int64_t dv = it.cache->value_dim();
   const int64_t rows = it.group * it.query_len;
   const int64_t stride = rows * (dv + 2);
+  [[maybe_unused]] const bool avx512 = VectorKernelsInUse() == VectorKernels::kAvx512;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t g = r / it.query_len, i = r % it.query_len;
     float* out = it.out + g * it.out_head_stride + i * it.out_pos_stride;
@@ -1300,6 +1365,12 @@ void Merge(const DecodeItem& it, const float* partials, int64_t units) {
       continue;
     }
     if (max == -std::numeric_limits<float>::infinity()) continue;  // saw no key
+#ifdef ATTN_DECODE_AVX512
+    if (avx512) {
+      Avx512MergeRow(partials + r * (dv + 2), stride, units, dv, max, out);
+      continue;
+    }
+#endif
     float total = 0.0f;
     for (int64_t u = 0; u < units; ++u) {
       const float* p = partials + u * stride + r * (dv + 2);
@@ -1309,6 +1380,27 @@ void Merge(const DecodeItem& it, const float* partials, int64_t units) {
       for (int64_t e = 0; e < dv; ++e) out[e] += p[2 + e] * w;
     }
     Scale(out, dv, 1.0f / total);
+  }
+}
+
+// Waits until done(), for the rest of a pass's work on another thread of
+// its team: spinning, then yielding the CPU (to a team member or other work
+// that shares it), never sleeping. Under OMP_WAIT_POLICY=PASSIVE, the
+// server's, libgomp's barriers put a waiting thread to sleep, and waking it
+// took 50-140 us on the AMD EPYC VM (docs/decode-log.md).
+template <typename Done>
+void WaitWithinPass(Done done) {
+  // About 20 us of pauses on the AMD EPYC VM, then yields.
+  constexpr int kSpins = 1024;
+  for (int spins = 0; !done();) {
+    if (spins < kSpins) {
+      ++spins;
+#if defined(__x86_64__) && defined(__GNUC__)
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
   }
 }
 
@@ -1420,6 +1512,7 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
         u.first_block = bounds[c];
         u.end_block = bounds[c + 1];
         u.with_tail = c == c_count - 1;
+        u.session = g;
         for (int64_t k = u.first_item; k < u.end_item; ++k) {
           u.partial_offset.push_back(partial_offset[k]);
         }
@@ -1440,21 +1533,44 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
   // that cannot get its thread's small buffers is noted, and the pass
   // throws once the team is done.
   std::atomic<bool> out_of_memory{false};
+  // The team takes the units in order, then the items' merges in order, each
+  // merge once its session's units are done, so that the first sessions'
+  // merges run while the last units do. No barrier between the two, and the
+  // leading thread waits for the others before the region's end, where it
+  // then arrives last: under OMP_WAIT_POLICY=PASSIVE, libgomp's barriers put
+  // a thread that waits to sleep, and each cost a wake (WaitWithinPass).
+  std::vector<std::atomic<int64_t>> units_left(static_cast<size_t>(sessions));
+  for (const Unit& u : units) units_left[u.session].fetch_add(1, std::memory_order_relaxed);
+  std::vector<int64_t> session_of(items.size());
+  for (int64_t g = 0; g < sessions; ++g) {
+    for (int64_t k = session_start[g]; k < session_start[g + 1]; ++k) session_of[k] = g;
+  }
+  std::atomic<int64_t> next_unit{0}, next_merge{0};
+  std::atomic<int> others_done{0};
 #pragma omp parallel num_threads(team)
   {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < total; ++u) {
+    for (int64_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < total;) {
       try {
         if (!out_of_memory.load(std::memory_order_relaxed)) RunUnit(units[u], items, partials);
       } catch (const std::bad_alloc&) {
         out_of_memory.store(true, std::memory_order_relaxed);
       }
+      units_left[units[u].session].fetch_sub(1, std::memory_order_release);
     }
-#pragma omp for schedule(static)
-    for (int64_t k = 0; k < n; ++k) {
+    for (int64_t k; (k = next_merge.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      const std::atomic<int64_t>& left = units_left[session_of[k]];
+      WaitWithinPass([&] { return left.load(std::memory_order_acquire) == 0; });
       if (!out_of_memory.load(std::memory_order_relaxed)) {
         Merge(items[k], partials + partial_offset[k], chunks[k]);
       }
+    }
+    // The team OpenMP gave, which may be smaller than asked (OMP_THREAD_LIMIT,
+    // or a pass inside another parallel region).
+    const int others = omp_get_num_threads() - 1;
+    if (omp_get_thread_num() != 0) {
+      others_done.fetch_add(1, std::memory_order_release);
+    } else {
+      WaitWithinPass([&] { return others_done.load(std::memory_order_acquire) == others; });
     }
   }
   if (out_of_memory.load()) throw std::bad_alloc();

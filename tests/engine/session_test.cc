@@ -1,6 +1,8 @@
 // Engine calls with sessions (engine/kv_cache.h): every answer must equal the
 // stateless call whose key and value are every row appended so far.
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -754,11 +756,12 @@ TEST_P(SessionTest, ALoneLongSessionSplitIntoShrinkingRangesMatches) {
 // Steps of four causal rows through the decode kernel, whose last visible
 // keys fall before a block boundary, on it and after it (the rows of one
 // step seeing different numbers of a block's keys, some none of the last
-// block's), for both storage types and precision FAST.
+// block's; with 253 cached, three rows none of the keys from the 257th on,
+// whose softmax is summed apart), for both storage types and precision FAST.
 TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
   for (DecodeKernels kernels : kEveryKernelSet) {
     internal::SetDecodeKernels(kernels);
-    for (int64_t cached : {58, 62, 124, 126, 190, 250}) {
+    for (int64_t cached : {58, 62, 124, 126, 190, 250, 253}) {
       for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
         for (bool fast : {false, true}) {
           if (fast && dtype == DType::kFloat32) continue;
@@ -1236,6 +1239,56 @@ TEST_P(SessionTest, ALongSessionsStepIsTheSameAloneBatchedAndOnAnyThreads) {
   EXPECT_EQ(run(*two, 1), alone_one);
   EXPECT_EQ(run(*two, kSessions), alone_one);
   EXPECT_EQ(run(*one, kSessions), alone_one);
+}
+
+// A pass whose team OpenMP makes smaller than the engine asks: a step led
+// from inside another parallel region (nested regions get one thread, as
+// under OMP_THREAD_LIMIT=1) answers as the same step does outside it, and
+// its threads do not wait for team members that never came.
+TEST_P(SessionTest, AStepInsideAnotherParallelRegionAnswersAsOutside) {
+  EngineOptions options;
+  options.backend = GetParam();
+  options.threads = 2;
+  const std::unique_ptr<Engine> two = std::move(Engine::Create(options)).value();
+  constexpr int kSessions = 3;
+  std::vector<std::unique_ptr<KvCache>> caches;
+  std::vector<AttentionArgs> args(kSessions);
+  std::vector<SessionCall> sessions(kSessions);
+  std::vector<EngineCall> calls(kSessions);
+  // Grouped-query heads: 4 query heads over 2 key/value heads.
+  const Input rows = RandomFloats({1, 2, 4000, 32}, 260), q = RandomFloats({1, 4, 1, 32}, 261),
+              kv = RandomFloats({1, 2, 1, 32}, 262);
+  for (int i = 0; i < kSessions; ++i) {
+    caches.push_back(NewCache(2, 32, 32));
+    ASSERT_THAT(caches.back()->Append(4000, rows.values.data(), 32, 4000 * 32, rows.values.data(),
+                                      32, 4000 * 32),
+                IsOk());
+    caches.back()->Commit();
+    args[i].query = q.view();
+    args[i].key = kv.view();
+    args[i].value = kv.view();
+    sessions[i].caches = {caches[i].get()};
+    calls[i] = EngineCall{&args[i], nullptr};
+    calls[i].session = &sessions[i];
+  }
+  auto run = [&] {
+    std::vector<absl::StatusOr<AttentionResult>> results = two->AttendBatchFromThisThread(calls);
+    std::vector<float> out;
+    for (int i = 0; i < kSessions; ++i) {
+      caches[i]->Rollback();
+      EXPECT_THAT(results[i].status(), IsOk());
+      if (results[i].ok()) out = Values(results[i]->output.data);
+    }
+    return out;
+  };
+  const std::vector<float> outside = run();
+  ASSERT_FALSE(outside.empty());
+  std::vector<float> inside;
+#pragma omp parallel num_threads(2)
+  {
+    if (omp_get_thread_num() == 0) inside = run();
+  }
+  EXPECT_EQ(inside, outside);
 }
 
 TEST_P(SessionTest, RefusedCallsNameTheFieldAndAppendNothing) {
