@@ -17,7 +17,10 @@
 // each pass (so a ratio compares times taken over the same second on the
 // shared machine), each call but the multiply-add probe's starting with its
 // data flushed from the CPU's caches. Prints a table and "PASS" / "MISS"
-// per target; with --enforce exits 1 on a miss. Timed, so not a unit test:
+// per target; with --enforce exits 1 on a miss. The steps and the probes
+// run as the server's dispatcher runs its passes: from the calling thread,
+// under OMP_WAIT_POLICY=PASSIVE (unless the environment sets a policy), the
+// threads bound where the server binds them. Timed, so not a unit test:
 // `bash deploy/bench.sh decode` runs it.
 //
 //   decode_bench [--enforce] [--quick] [--only TEXT] [--back-to-back]
@@ -37,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -47,11 +51,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/decode.h"
 #include "engine/engine.h"
 #include "engine/kv_cache.h"
+#include "server/openmp_defaults.h"
 
 namespace attention {
 namespace {
@@ -590,6 +596,15 @@ int Main(int argc, char** argv) {
   }
   std::unique_ptr<Engine> engine = std::move(Engine::Create({})).value();
   const int threads = engine->threads();
+  // This thread leads every pass, as the server's dispatcher does, bound as
+  // it is (the engine's threads bound to CPUs).
+  const bool bound = engine->BindThisThread();
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const std::string binding =
+      bound ? absl::StrCat("bound to CPUs ", absl::StrJoin(engine->bound_cpus(), ","))
+            : "not bound";
+  std::printf("OMP_WAIT_POLICY=%s, the engine's threads %s\n",
+              policy != nullptr ? policy : "(unset)", binding.c_str());
   const std::vector<Shape> shapes =
       quick ? std::vector<Shape>{{"B4 H8 S=2048 D64", 4, 8, 8, 2048, 64}}
             : std::vector<Shape>{{"B1 H32 S=32768 D128", 1, 32, 32, 32768, 128},
@@ -814,4 +829,10 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace attention
 
-int main(int argc, char** argv) { return attention::Main(argc, argv); }
+int main(int argc, char** argv) {
+  // As attention_server does: OpenMP threads sleep between passes
+  // (OMP_WAIT_POLICY=PASSIVE unless the environment sets it; may execute
+  // this binary again).
+  attention::server::ReexecWithOpenMpDefaults(argv);
+  return attention::Main(argc, argv);
+}
