@@ -419,16 +419,13 @@ ATTN_AVX512 void ExpForTesting(bool fast, const float* x, float* y) {
   _mm512_store_ps(y, fast ? Exp16Fast(v) : Exp16(v));
 }
 
-// Merge's sums for one query row whose ranges' largest max is `max` (finite,
-// no NaN among them), into out (dv floats, zeros): out = sum_u acc_u
-// e^(m_u - max) / sum_u l_u e^(m_u - max) over the ranges u that saw a key
-// (l_u > 0), in order; range u's [m, l, acc...] at first + u * stride. The
-// ranges' weights 16 at a time (one Exp16), the sums in registers 128
-// elements at a time. The portable loop (SSE2 at -O3) stores the sums back
-// after each range and calls exp for each: with it, a grouped-query pass's
-// merges took each thread 22-27 us, with this 16-19 (docs/decode-log.md).
-ATTN_AVX512 void Avx512MergeRow(const float* first, int64_t stride, int64_t units, int64_t dv,
-                                float max, float* out) {
+// MergeRow (below) with AVX-512: the ranges' weights 16 at a time (one
+// Exp16), the sums in registers 128 elements at a time. The portable loop
+// (SSE2 at -O3) stores the sums back after each range and calls exp for
+// each: with it, a grouped-query pass's merges took each thread 22-27 us,
+// with this 16-19 (docs/decode-log.md).
+ATTN_AVX512 float Avx512MergeRow(const float* first, int64_t stride, int64_t units, int64_t dv,
+                                 float max, float* out) {
   constexpr int kRegs = 8;
   float total = 0.0f;
   for (int64_t u0 = 0; u0 < units; u0 += 16) {
@@ -471,13 +468,7 @@ ATTN_AVX512 void Avx512MergeRow(const float* first, int64_t stride, int64_t unit
       for (int k = 0; k < kRegs; ++k) _mm512_mask_storeu_ps(out + c + 16 * k, lanes[k], a[k]);
     }
   }
-  const __m512 inverse = _mm512_set1_ps(1.0f / total);
-  for (int64_t e = 0; e < dv; e += 16) {
-    const __mmask16 lanes =
-        static_cast<__mmask16>((uint32_t{1} << std::min<int64_t>(16, dv - e)) - 1);
-    _mm512_mask_storeu_ps(out + e, lanes,
-                          _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, out + e), inverse));
-  }
+  return total;
 }
 
 // The largest and the sum of x's lanes (NaN lanes: see the callers), in a
@@ -1340,13 +1331,30 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
   }
 }
 
+// For one query row whose ranges' largest max is `max` (finite, no NaN
+// among them): out (dv floats, zeros) += acc_u e^(m_u - max) over the ranges
+// u that saw a key (l_u > 0), in order, range u's [m, l, acc...] at
+// first + u * stride; returns sum_u l_u e^(m_u - max), the same order.
+float PortableMergeRow(const float* first, int64_t stride, int64_t units, int64_t dv, float max,
+                       float* out) {
+  float total = 0.0f;
+  for (int64_t u = 0; u < units; ++u) {
+    const float* p = first + u * stride;
+    if (!(p[1] > 0)) continue;
+    const float w = std::exp(p[0] - max);
+    total += p[1] * w;
+    for (int64_t e = 0; e < dv; ++e) out[e] += p[2 + e] * w;
+  }
+  return total;
+}
+
 // out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M) over an item's
 // kSumBlocks ranges c, in order.
 void Merge(const DecodeItem& it, const float* partials, int64_t units) {
   const int64_t dv = it.cache->value_dim();
   const int64_t rows = it.group * it.query_len;
   const int64_t stride = rows * (dv + 2);
-  [[maybe_unused]] const bool avx512 = VectorKernelsInUse() == VectorKernels::kAvx512;
+  const bool avx512 = VectorKernelsInUse() == VectorKernels::kAvx512;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t g = r / it.query_len, i = r % it.query_len;
     float* out = it.out + g * it.out_head_stride + i * it.out_pos_stride;
@@ -1365,20 +1373,12 @@ void Merge(const DecodeItem& it, const float* partials, int64_t units) {
       continue;
     }
     if (max == -std::numeric_limits<float>::infinity()) continue;  // saw no key
-#ifdef ATTN_DECODE_AVX512
-    if (avx512) {
-      Avx512MergeRow(partials + r * (dv + 2), stride, units, dv, max, out);
-      continue;
-    }
-#endif
+    const float* first = partials + r * (dv + 2);
     float total = 0.0f;
-    for (int64_t u = 0; u < units; ++u) {
-      const float* p = partials + u * stride + r * (dv + 2);
-      if (!(p[1] > 0)) continue;
-      const float w = std::exp(p[0] - max);
-      total += p[1] * w;
-      for (int64_t e = 0; e < dv; ++e) out[e] += p[2 + e] * w;
-    }
+#ifdef ATTN_DECODE_AVX512
+    if (avx512) total = Avx512MergeRow(first, stride, units, dv, max, out);
+#endif
+    if (!avx512) total = PortableMergeRow(first, stride, units, dv, max, out);
     Scale(out, dv, 1.0f / total);
   }
 }
