@@ -1192,8 +1192,8 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
 // prefetch or read that reaches a page whose translation is not cached
 // waits for a page walk, long under a VM's nested paging, and the CPU's
 // own prefetchers stop at page bounds. On the AMD EPYC VM, with each
-// part's pages touched two parts ahead, one-row steps read 6-22% faster
-// and grouped-query ones up to 8%; touched 4 or 8 parts ahead, about the
+// part's pages touched two parts ahead, one-row steps read 3-23% faster
+// and grouped-query ones up to 9%; touched 4 or 8 parts ahead, about the
 // same (docs/decode-log.md).
 void TranslateAhead(const void* first, int64_t bytes) {
   const uintptr_t start = reinterpret_cast<uintptr_t>(first);

@@ -155,8 +155,8 @@ void Flush(const std::vector<Bytes>& spans, int threads) {
 // reads to the hardware's prefetchers, and on one machine read 15-17 GB/s
 // where the prefetching loop read 22-24 and the decode kernel (which
 // prefetches) 20-22; on the AMD EPYC VM (nested paging) the prefetching
-// loop read 55-59 GB/s where the same with the pages touched ahead read
-// 69-79, and the decode kernel, touching its pages ahead, 60 (2026-12-05).
+// loop read 55-66 GB/s where the same with the pages touched ahead read
+// 69-84, and the decode kernel, touching its pages ahead, 57-62 (2026-12-05).
 // A bar the kernel clears by far measures the loop, not the memory.
 uint64_t SumWords(const uint64_t* p, size_t n) {
   constexpr size_t kAhead = 8192 / sizeof(uint64_t);
