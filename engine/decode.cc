@@ -60,6 +60,13 @@ constexpr double kParallelBytes = 256 * 1024;
 // of reading at the memory's pace. A plain read of a cache's blocks read as
 // fast 1 KiB ahead and 5% slower 32 KiB ahead (docs/decode-log.md).
 constexpr int64_t kPrefetchAhead = 4096;
+// The same for steps of several query rows per key/value head: their
+// kernels compute longer per byte, and the later rows' value passes read
+// the part again from cache, prefetching nothing, so the reads need more
+// in flight. Grouped-query steps (four rows, D128) ran 6-15% faster 8 KiB
+// ahead than 4 KiB ahead or the next part into L2, and slower 2 or 16 KiB
+// ahead (AMD EPYC with avx512_bf16, 2026-12-06, docs/decode-log.md).
+constexpr int64_t kPrefetchAheadRows = 8192;
 // How many parts (one head's keys and values in one block) ahead of the
 // one being read a unit touches each page of, so that the page's address
 // translation is there before the prefetches and reads reach it
@@ -162,8 +169,9 @@ ATTN_AVX512 inline __m512 SecondOfPairs(__m512i x) {
 //   and every step read half as fast (0.43x of the probe where T1 read
 //   1.3x of the same probe); T0 read FLOAT32 caches about 10% slower than
 //   T1 there (docs/decode-log.md). On an AMD host all three read alike.
-// - kL1 (T0): the part being read, kPrefetchAhead bytes ahead of the reads
-//   (one-row steps; those lines are read a few hundred cycles later).
+// - kL1 (T0): the part being read, kPrefetchAhead (one-row steps) or
+//   kPrefetchAheadRows bytes ahead of the reads (those lines are read a
+//   few hundred cycles later).
 // Ahead of a block's last part the addresses are past the block's end,
 // another allocation or none: a prefetch never faults (an unmapped line is
 // dropped), and the next block's first lines come in as the CPU's own
@@ -803,9 +811,11 @@ void Avx512AccumulateRows(const float* p, float* const* acc, const float* correc
 // rows in one pass, so the first pair reads the part from memory in order
 // and the second pair reads it again from L1 or L2. (Out of the CPU's
 // caches that wins; a cache already in L2 or L3 steps about 10% slower.)
-// next_v (may be null) comes in, into kTo, a slice per group spread over
-// its rows: for one row a whole value row per row read, so with next_v at
-// v + kPrefetchAhead it stays that far ahead of the reads.
+// next_v (may be null) comes in, into kTo. The next part (kL2): a slice
+// per group spread over its rows. The part being read, ahead of the reads
+// (kL1, next_v a fixed distance past v): the first group a whole value row
+// per row read, so that it stays that far ahead, and the later groups,
+// which read the rows again from cache, nothing.
 template <Math kMath, Fetch kTo>
 void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* correction,
                       const void* v, int64_t n, int64_t d, const char* next_v) {
@@ -814,10 +824,13 @@ void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* 
   const int64_t groups = (rows + group - 1) / group;
   // Bytes of a FLOAT32 value row, or of a BFLOAT16 pair of rows.
   const int64_t row_bytes = d * 4;
-  const int64_t step = std::max<int64_t>(64, (row_bytes / groups + 63) / 64 * 64);
+  constexpr bool kAhead = kTo == Fetch::kL1;
+  const int64_t step = kAhead ? row_bytes : std::max<int64_t>(64, (row_bytes / groups + 63) / 64 * 64);
   const int64_t iterations = kMath == Math::kFloat32 ? n : (n + 1) / 2;
   for (int r = 0; r < rows; r += group) {
-    const char* prefetch = next_v == nullptr ? nullptr : next_v + (r / group) * iterations * step;
+    const char* prefetch = next_v == nullptr || (kAhead && r > 0)
+                               ? nullptr
+                               : next_v + (r / group) * iterations * step;
     const float* pr = p + r * kBlockRows;
     float* const* ar = acc + r;
     const float* cr = correction + r;
@@ -1058,12 +1071,13 @@ struct BlockKernels {
   // CPU's own prefetchers keep up with a plain stream, and the next part's
   // prefetches only compete with them.
   bool prefetch_one_row = true;
-  // Where set, items of one query row take these instead, prefetching the
-  // part they read kPrefetchAhead bytes ahead of the reads, into L1. FAST's
-  // one-row steps with the AVX-512 kernels ran about 10% (B16 H8 D64) and
-  // 5% (B1 H32 D128) faster so than with the next part, FLOAT32's within
-  // the noise (AMD EPYC with avx512_bf16, 2026-12-05), and slower with
-  // nothing or into L2 (docs/decode-log.md). Not on Intel's CPUs
+  // Where set, items take these instead, prefetching the part they read
+  // kPrefetchAhead (one query row) or kPrefetchAheadRows bytes ahead of the
+  // reads, into L1. FAST's one-row steps with the AVX-512 kernels ran about
+  // 10% (B16 H8 D64) and 5% (B1 H32 D128) faster so than with the next
+  // part, FLOAT32's within the noise, and slower with nothing or into L2
+  // (AMD EPYC with avx512_bf16, 2026-12-05); grouped-query steps, see
+  // kPrefetchAheadRows (docs/decode-log.md). Not on Intel's CPUs
   // (KernelsFor).
   ScoresFn scores_ahead = nullptr;
   AccumulateFn accumulate_ahead = nullptr;
@@ -1107,10 +1121,10 @@ bool UseDotProducts(int64_t rows) {
 
 #ifdef ATTN_DECODE_AVX512
 template <Math kMath>
-void SetAvx512Kernels(bool vector_values, bool one_row_ahead, BlockKernels& k) {
+void SetAvx512Kernels(bool vector_values, bool ahead, BlockKernels& k) {
   k.scores = &Avx512Scores<kMath, Fetch::kL2>;
   if (vector_values) k.accumulate = &Avx512Accumulate<kMath, Fetch::kL2>;
-  if (one_row_ahead) {
+  if (ahead) {
     k.scores_ahead = &Avx512Scores<kMath, Fetch::kL1>;
     k.accumulate_ahead = vector_values ? &Avx512Accumulate<kMath, Fetch::kL1> : k.accumulate;
   }
@@ -1163,23 +1177,23 @@ BlockKernels KernelsFor(int64_t value_dim, Math math) {
   if (vector != VectorKernels::kAvx512) return k;
   if (math == Math::kBFloat16Dot && !avx512_bf16) math = Math::kBFloat16;
   k.scores_math = math;
-  // One-row items prefetch ahead where one pass reads their value rows
-  // (kMostChunksOf): a row read several times over, a part at a time,
-  // would take its prefetched lines out of L1 before the later passes come
-  // to them. Not on Intel's CPUs, where it is not measured and the next
-  // part met the targets (T0 there read 10% slower than T1 when it was the
-  // next part that came in).
+  // Items prefetch ahead where one pass of a group of rows reads their
+  // value rows (kMostChunksOf: one row or two up to 128 elements): a row
+  // read in several passes, a part at a time, would take its prefetched
+  // lines out of L1 before the later passes come to them. Not on Intel's
+  // CPUs, where it is not measured and the next part met the targets (T0
+  // there read 10% slower than T1 when it was the next part that came in).
   static const bool intel = __builtin_cpu_is("intel");
-  const bool one_row_ahead = !intel && value_dim <= 16 * kMostChunksOf<Math::kFloat32, 1>;
+  const bool ahead = !intel && value_dim <= 16 * kMostChunksOf<Math::kFloat32, 2>;
   switch (math) {
     case Math::kFloat32:
-      SetAvx512Kernels<Math::kFloat32>(vector_values, one_row_ahead, k);
+      SetAvx512Kernels<Math::kFloat32>(vector_values, ahead, k);
       break;
     case Math::kBFloat16:
-      SetAvx512Kernels<Math::kBFloat16>(vector_values, one_row_ahead, k);
+      SetAvx512Kernels<Math::kBFloat16>(vector_values, ahead, k);
       break;
     case Math::kBFloat16Dot:
-      SetAvx512Kernels<Math::kBFloat16Dot>(vector_values, one_row_ahead, k);
+      SetAvx512Kernels<Math::kBFloat16Dot>(vector_values, ahead, k);
       break;
   }
 #endif
@@ -1231,8 +1245,10 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
                     : bf16_products && (tile_shape || UseDotProducts(rows)) ? Math::kBFloat16Dot
                                                                             : Math::kBFloat16;
   const BlockKernels kernels = KernelsFor(dv, math);
-  // One query row per item whose kernels prefetch the part they read.
-  const bool ahead = rows == 1 && kernels.scores_ahead != nullptr;
+  // Kernels that prefetch the part they read, how far ahead (tiles take
+  // the next part).
+  const bool ahead = !tile_shape && kernels.scores_ahead != nullptr;
+  const int64_t ahead_bytes = rows == 1 ? kPrefetchAhead : kPrefetchAheadRows;
   const ScoresFn scores_fn = ahead ? kernels.scores_ahead : kernels.scores;
   const AccumulateFn accumulate_fn = ahead ? kernels.accumulate_ahead : kernels.accumulate;
   // Scores of every query row against one block.
@@ -1314,8 +1330,8 @@ void RunUnit(const Unit& u, absl::Span<const DecodeItem> items, float* partials)
       const char* next_k = nullptr;
       const char* next_v = nullptr;
       if (ahead) {
-        next_k = static_cast<const char*>(kb) + kPrefetchAhead;
-        next_v = static_cast<const char*>(vb) + kPrefetchAhead;
+        next_k = static_cast<const char*>(kb) + ahead_bytes;
+        next_v = static_cast<const char*>(vb) + ahead_bytes;
       } else if ((rows > 1 || kernels.prefetch_one_row) &&
                  (k + 1 < count || block + 1 < u.end_block)) {
         const int64_t next_block = k + 1 < count ? block : block + 1;
