@@ -825,12 +825,12 @@ void Avx512Accumulate(const float* p, int rows, float* const* acc, const float* 
   // Bytes of a FLOAT32 value row, or of a BFLOAT16 pair of rows.
   const int64_t row_bytes = d * 4;
   constexpr bool kAhead = kTo == Fetch::kL1;
-  const int64_t step = kAhead ? row_bytes : std::max<int64_t>(64, (row_bytes / groups + 63) / 64 * 64);
+  const int64_t step =
+      kAhead ? row_bytes : std::max<int64_t>(64, (row_bytes / groups + 63) / 64 * 64);
   const int64_t iterations = kMath == Math::kFloat32 ? n : (n + 1) / 2;
   for (int r = 0; r < rows; r += group) {
-    const char* prefetch = next_v == nullptr || (kAhead && r > 0)
-                               ? nullptr
-                               : next_v + (r / group) * iterations * step;
+    const char* prefetch =
+        next_v == nullptr || (kAhead && r > 0) ? nullptr : next_v + (r / group) * iterations * step;
     const float* pr = p + r * kBlockRows;
     float* const* ar = acc + r;
     const float* cr = correction + r;
@@ -1095,13 +1095,17 @@ std::atomic<DotProducts> dot_products_use{DotProducts::kChosen};
 // ones, and a grouped-query FAST step ran 6% faster in float32
 // (docs/decode-log.md). The AMD hosts measured ran them faster
 // than float32 math for one and two query rows per key/value head
-// (2026-11-28, 2026-12-04), and slower for four (kMinTileRows).
+// (2026-11-28, 2026-12-04), and, since grouped-query steps prefetch the
+// part they read (kPrefetchAheadRows), for four too by a few percent: in
+// eight full runs of decode_bench the other math's row read dot products
+// 3-10% faster in five and float32 math 1-2% faster in three (2026-12-06;
+// before it, dot products were 2.5% slower on average).
 bool DotProductsFaster(int64_t rows) {
+  static_cast<void>(rows);
 #ifdef ATTN_DECODE_AVX512
   static const bool faster = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
-  return faster && rows < kMinTileRows;
+  return faster;
 #else
-  static_cast<void>(rows);
   return false;
 #endif
 }

@@ -47,13 +47,10 @@ struct DecodeItem {
 };
 
 // Below this many query rows per key/value head, FAST takes no tiles: they
-// would be mostly empty. Such steps take bf16 dot products where those beat
-// float32 math (DecodeDotProductsChosen), as for one and two rows they do
-// on the AMD hosts measured, and float32 math elsewhere. From this many rows
-// those hosts, which have no tiles, compute in float32 too: there a
-// grouped-query step (four rows) ran 2.5% faster in float32 math on average
-// over 27 paired runs on two VMs, ahead in 18 (docs/decode-log.md has the
-// measurements).
+// would be mostly empty. Such steps, and on CPUs without tiles every step,
+// take bf16 dot products where those beat float32 math
+// (DecodeDotProductsChosen), as they do on the AMD hosts measured, and
+// float32 math elsewhere (docs/decode-log.md has the measurements).
 inline constexpr int64_t kMinTileRows = 4;
 
 // Most query rows (group x query_len) of one item.
@@ -116,8 +113,8 @@ void UseDecodeTiles(bool use);
 
 // Whether FAST's steps of `rows` query rows per key/value head (group x
 // query_len) that take no tiles use bf16 dot products on this CPU
-// (avx512_bf16, not an Intel CPU, where float32 math is the faster, and
-// fewer than kMinTileRows rows) or float32 math.
+// (avx512_bf16, not an Intel CPU, where float32 math is the faster) or
+// float32 math.
 bool DecodeDotProductsChosen(int64_t rows);
 // Tests and benchmarks: which of the two those steps take. kAlways: bf16
 // dot products on every CPU with avx512_bf16; kNever: float32 math on every
