@@ -63,9 +63,10 @@ constexpr int64_t kPrefetchAhead = 4096;
 // The same for steps of several query rows per key/value head: their
 // kernels compute longer per byte, and the later rows' value passes read
 // the part again from cache, prefetching nothing, so the reads need more
-// in flight. Grouped-query steps (four rows, D128) ran 6-15% faster 8 KiB
-// ahead than 4 KiB ahead or the next part into L2, and slower 2 or 16 KiB
-// ahead (AMD EPYC with avx512_bf16, 2026-12-06, docs/decode-log.md).
+// in flight. 8 KiB ahead, grouped-query steps (four rows, D128) ran 8-15%
+// (FLOAT32) and 2-10% (FAST) faster than with the next part into L2; 4 KiB
+// ahead, FAST ran about 10% slower than 8, and 2 or 16 KiB ahead both ran
+// slower (AMD EPYC with avx512_bf16, 2026-12-06, docs/decode-log.md).
 constexpr int64_t kPrefetchAheadRows = 8192;
 // How many parts (one head's keys and values in one block) ahead of the
 // one being read a unit touches each page of, so that the page's address
