@@ -24,13 +24,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <new>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "engine/decode_kernels.h"
 #include "engine/kernels.h"
 
@@ -1088,6 +1092,47 @@ std::atomic<DecodeKernels> kernels_use{DecodeKernels::kBest};
 std::atomic<bool> tiles_allowed{true};
 std::atomic<DotProducts> dot_products_use{DotProducts::kChosen};
 
+// RecordDecodeTimes' switch, and what the passes recorded.
+std::atomic<bool> record_times{false};
+ABSL_CONST_INIT absl::Mutex times_mu(absl::kConstInit);
+DecodeTimes recorded_times ABSL_GUARDED_BY(times_mu);
+
+using Clock = std::chrono::steady_clock;
+
+double MicrosecondsBetween(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::micro>(to - from).count();
+}
+
+// One thread's times through a pass, from the pass's start, while
+// recording is on (a no-op otherwise): each Mark adds the time since the
+// previous one to a field.
+class PassMarks {
+ public:
+  PassMarks(bool on, Clock::time_point pass_start) : on_(on), last_(pass_start) {}
+  void Mark(double DecodeTimes::*field) {
+    if (!on_) return;
+    const Clock::time_point now = Clock::now();
+    times_.*field += MicrosecondsBetween(last_, now);
+    last_ = now;
+  }
+  // Into what the passes recorded, as one thread's pass.
+  void Record() {
+    if (!on_) return;
+    absl::MutexLock lock(&times_mu);
+    recorded_times.thread_passes += 1;
+    recorded_times.start += times_.start;
+    recorded_times.units += times_.units;
+    recorded_times.merge_wait += times_.merge_wait;
+    recorded_times.merge += times_.merge;
+    recorded_times.end += times_.end;
+  }
+
+ private:
+  const bool on_;
+  Clock::time_point last_;
+  DecodeTimes times_;
+};
+
 // Whether bf16 dot products beat float32 math for FAST's steps (without
 // tiles) of `rows` query rows per key/value head on this CPU: not on
 // Intel's. There one vdpbf16ps takes as long as four
@@ -1527,6 +1572,20 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
              static_cast<double>(kBlockRows * it.cache->kv_heads());
   }
   if (bytes < kParallelBytes) threads = 1;
+  const bool timed = record_times.load(std::memory_order_relaxed);
+  const Clock::time_point pass_start = timed ? Clock::now() : Clock::time_point{};
+  // The pass's whole time, once it ends (however it ends).
+  struct WallMark {
+    bool on;
+    Clock::time_point start;
+    ~WallMark() {
+      if (!on) return;
+      const double wall = MicrosecondsBetween(start, Clock::now());
+      absl::MutexLock lock(&times_mu);
+      recorded_times.passes += 1;
+      recorded_times.wall += wall;
+    }
+  } wall_mark{timed, pass_start};
   // Sessions: runs of consecutive items that are heads of one session.
   std::vector<int64_t> session_start;
   const int64_t n = static_cast<int64_t>(items.size());
@@ -1585,8 +1644,13 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
   const int64_t total = static_cast<int64_t>(units.size());
   const int team = static_cast<int>(std::min<int64_t>(threads, total));
   if (team <= 1) {
+    PassMarks marks(timed, pass_start);
+    marks.Mark(&DecodeTimes::start);
     for (const Unit& u : units) RunUnit(u, items, partials);
+    marks.Mark(&DecodeTimes::units);
     for (int64_t k = 0; k < n; ++k) Merge(items[k], partials + partial_offset[k], chunks[k]);
+    marks.Mark(&DecodeTimes::merge);
+    marks.Record();
     return;
   }
   // An exception must not leave an OpenMP region (std::terminate): a unit
@@ -1609,6 +1673,8 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
   std::atomic<int> others_done{0};
 #pragma omp parallel num_threads(team)
   {
+    PassMarks marks(timed, pass_start);
+    marks.Mark(&DecodeTimes::start);
     for (int64_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < total;) {
       try {
         if (!out_of_memory.load(std::memory_order_relaxed)) RunUnit(units[u], items, partials);
@@ -1617,12 +1683,15 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
       }
       units_left[units[u].session].fetch_sub(1, std::memory_order_release);
     }
+    marks.Mark(&DecodeTimes::units);
     for (int64_t k; (k = next_merge.fetch_add(1, std::memory_order_relaxed)) < n;) {
       const std::atomic<int64_t>& left = units_left[session_of[k]];
       WaitWithinPass([&] { return left.load(std::memory_order_acquire) == 0; });
+      marks.Mark(&DecodeTimes::merge_wait);
       if (!out_of_memory.load(std::memory_order_relaxed)) {
         Merge(items[k], partials + partial_offset[k], chunks[k]);
       }
+      marks.Mark(&DecodeTimes::merge);
     }
     // The team OpenMP gave, which may be smaller than asked (OMP_THREAD_LIMIT,
     // or a pass inside another parallel region).
@@ -1632,8 +1701,17 @@ void RunDecode(absl::Span<const DecodeItem> items, int threads) {
     } else {
       WaitWithinPass([&] { return others_done.load(std::memory_order_acquire) == others; });
     }
+    marks.Mark(&DecodeTimes::end);
+    marks.Record();
   }
   if (out_of_memory.load()) throw std::bad_alloc();
+}
+
+void RecordDecodeTimes(bool on) { record_times.store(on, std::memory_order_relaxed); }
+
+DecodeTimes TakeDecodeTimes() {
+  absl::MutexLock lock(&times_mu);
+  return std::exchange(recorded_times, DecodeTimes{});
 }
 
 void SetDecodeKernels(DecodeKernels use) { kernels_use.store(use, std::memory_order_relaxed); }

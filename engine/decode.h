@@ -122,6 +122,23 @@ bool DecodeDotProductsChosen(int64_t rows);
 enum class DotProducts { kChosen, kAlways, kNever };
 void SetDecodeDotProducts(DotProducts use);
 
+// Benchmarks: where RunDecode's passes spent their time, in microseconds
+// summed over the passes and over each pass's threads, while recording is
+// on (RecordDecodeTimes). A pass's threads each wait to start (the leading
+// thread while OpenMP wakes the team, the others until woken), compute their
+// units, wait until the sessions whose outputs they merge are computed to
+// the end (by the other threads' last units), merge, and wait for the team's
+// end; `wall` is each pass's whole time, once per pass.
+struct DecodeTimes {
+  int64_t passes = 0;
+  int64_t thread_passes = 0;  // passes times their threads
+  double wall = 0, start = 0, units = 0, merge_wait = 0, merge = 0, end = 0;
+};
+// Off by default (a pass then reads no clock).
+void RecordDecodeTimes(bool on);
+// What was recorded since the last call, and starts again from zero.
+DecodeTimes TakeDecodeTimes();
+
 }  // namespace attention::internal
 
 #endif  // ATTENTION_ENGINE_DECODE_H_

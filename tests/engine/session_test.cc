@@ -662,6 +662,58 @@ TEST(DecodeExpTest, WithinTheirErrorOverTheScoresRange) {
   if (ran == 0) GTEST_SKIP() << "no AVX2 nor AVX-512: the decode pass runs its portable loops";
 }
 
+// The passes' account of their time (decode_bench prints it): nothing
+// while recording is off; with it on, each pass once and each of its
+// threads once, every thread's parts adding up to at most the pass's whole
+// time (each thread's run from the pass's start); taking it starts again
+// from zero.
+TEST(DecodeTimesTest, EachPassAndThreadRecordedWhileOn) {
+  EngineOptions options;
+  options.threads = 2;
+  std::unique_ptr<Engine> engine = std::move(Engine::Create(options)).value();
+  // 600 KiB read per step: enough for both threads (kParallelBytes).
+  const int64_t kv_heads = 2, dim = 64, cached = 600;
+  std::unique_ptr<KvCache> cache = NewCache(kv_heads, dim, dim, DType::kFloat32);
+  const Input k0 = RandomFloats({1, kv_heads, cached, dim}, 300),
+              v0 = RandomFloats({1, kv_heads, cached, dim}, 301);
+  ASSERT_THAT(cache->Append(cached, k0.values.data(), dim, cached * dim, v0.values.data(), dim,
+                            cached * dim),
+              IsOk());
+  cache->Commit();
+  SessionCall session{{cache.get()}, false};
+  const Input q = RandomFloats({1, kv_heads * 4, 1, dim}, 302),
+              k = RandomFloats({1, kv_heads, 1, dim}, 303),
+              v = RandomFloats({1, kv_heads, 1, dim}, 304);
+  AttentionArgs args;
+  args.query = q.view();
+  args.key = k.view();
+  args.value = v.view();
+  EngineCall call{&args, nullptr};
+  call.session = &session;
+  auto step = [&] {
+    ASSERT_THAT(engine->AttendBatch({&call, 1}).front(), IsOk());
+    cache->Rollback();
+  };
+  internal::TakeDecodeTimes();
+  step();
+  EXPECT_EQ(internal::TakeDecodeTimes().passes, 0);
+  internal::RecordDecodeTimes(true);
+  step();
+  step();
+  internal::RecordDecodeTimes(false);
+  step();
+  const internal::DecodeTimes t = internal::TakeDecodeTimes();
+  EXPECT_EQ(t.passes, 2);
+  EXPECT_GE(t.thread_passes, 2);
+  EXPECT_LE(t.thread_passes, 2 * engine->threads());
+  EXPECT_GT(t.units, 0);
+  EXPECT_GT(t.merge, 0);
+  for (double part : {t.start, t.merge_wait, t.end}) EXPECT_GE(part, 0);
+  const double parts = t.start + t.units + t.merge_wait + t.merge + t.end;
+  EXPECT_LE(parts, t.wall * static_cast<double>(t.thread_passes) / 2 * 1.0001 + 1e-3);
+  EXPECT_EQ(internal::TakeDecodeTimes().passes, 0);
+}
+
 // The rule behind it: at least four units per thread in all, and a
 // multiple of the threads, the fewest per session that give both.
 TEST(DecodeUnitsTest, EqualSessionsEndLevelOnEveryThread) {
