@@ -17,7 +17,8 @@
 // each pass (so a ratio compares times taken over the same second on the
 // shared machine), each call but the multiply-add probe's starting with its
 // data flushed from the CPU's caches. Prints a table and "PASS" / "MISS"
-// per target; with --enforce exits 1 on a miss. The steps and the probes
+// per target, and under each shape where its FLOAT32 and FAST steps' time
+// went (StepTimes); with --enforce exits 1 on a miss. The steps and the probes
 // run as the server's dispatcher runs its passes: from the calling thread,
 // under OMP_WAIT_POLICY=PASSIVE (unless the environment sets a policy), the
 // threads bound where the server binds them. Timed, so not a unit test:
@@ -86,7 +87,10 @@ struct Timed {
 // after the probes (or after a 20 ms pause) ran 2-14% slower than the same
 // step right after another step (docs/decode-log.md).
 std::vector<double> TimeInterleaved(const std::vector<Timed>& fns, double min_seconds) {
-  for (const Timed& f : fns) f.call();  // warm-up
+  for (const Timed& f : fns) {  // warm-up
+    f.before();
+    f.call();
+  }
   std::vector<double> spent(fns.size(), 0.0);
   std::vector<int> calls(fns.size(), 0);
   std::vector<size_t> order(fns.size());
@@ -338,8 +342,9 @@ struct Shape {
 };
 
 // Sessions of `s.keys - 1` rows each in caches of `dtype`, and their
-// one-row steps (appended, attended over `s.keys` keys, dropped again so
-// every step sees the same length). The step's row lands in the last block,
+// one-row steps (appended, attended over `s.keys` keys, dropped again
+// before the next step, so that every step sees the same length). The
+// step's row lands in the last block,
 // as 63 of a decoder's 64 steps' rows do: with `s.keys` (a multiple of 64)
 // cached, every step would start a block, allocate and zero it, which a
 // decoder does once in 64 steps.
@@ -379,9 +384,11 @@ class Decoder {
 
   double bytes_per_step() const { return bytes_per_step_; }
 
-  // Every cached block out of the CPU's caches: the next step reads its
-  // cache from memory, as a step of one of a server's many sessions does.
-  void Flush(int threads) const {
+  // The last step's row dropped, then every cached block out of the CPU's
+  // caches: the next step sees the same cache, from memory, as a step of
+  // one of a server's many sessions does.
+  void Reset(int threads) {
+    DropRow();
     std::vector<Bytes> blocks;
     for (const auto& c : caches_) {
       for (int64_t b = 0; b < c->blocks(); ++b) {
@@ -396,7 +403,12 @@ class Decoder {
   // the step's. Through the engine's worker thread, a second team's threads
   // idled beside the first's, and the hop cost a grouped-query step (1.5 ms)
   // about 8% (2026-11-25, one run).
+  // The step's row stays in the caches, uncommitted, until DropRow (a
+  // decoder's step commits it): dropping it rewrites the block's lines the
+  // row took, which the step's pass has pushed out of the CPU's caches,
+  // about 40 us of a B16 H8 D64 step's time (2026-12-06), no part of a step.
   void Step(const Engine& engine, bool fast) {
+    DropRow();
     args_.fast = fast;
     EngineCall call{&args_, nullptr};
     call.session = &session_;
@@ -406,7 +418,12 @@ class Decoder {
       std::fprintf(stderr, "decode step: %s\n", r.status().ToString().c_str());
       std::exit(2);
     }
+    row_pending_ = true;
+  }
+  void DropRow() {
+    if (!row_pending_) return;
     for (KvCache* c : session_.caches) c->Rollback();
+    row_pending_ = false;
   }
 
  private:
@@ -415,6 +432,7 @@ class Decoder {
   std::vector<float> q_, kv_;
   AttentionArgs args_;
   double bytes_per_step_ = 0;
+  bool row_pending_ = false;
 };
 
 // A shape's sessions (a Decoder) stepped once per timed call, or with
@@ -443,22 +461,66 @@ class Sessions {
 
   double bytes_per_step() const { return decoders_[0]->bytes_per_step(); }
   int steps_per_call() const { return steps_per_call_; }
-  // steps_per_call() steps, one session after another.
+  // steps_per_call() steps, one session after another; back to back, each
+  // step's row dropped right after it (the next step may be the same
+  // session's).
   void Steps(const Engine& engine, bool fast) {
     for (int i = 0; i < steps_per_call_; ++i) {
       decoders_[next_]->Step(engine, fast);
+      if (steps_per_call_ > 1) decoders_[next_]->DropRow();
       next_ = (next_ + 1) % decoders_.size();
     }
   }
-  // Every session's cache out of the CPU's caches.
-  void Flush(int threads) const {
-    for (const auto& d : decoders_) d->Flush(threads);
+  // Every session as Decoder::Reset leaves it.
+  void Reset(int threads) {
+    for (const auto& d : decoders_) d->Reset(threads);
   }
 
  private:
   const int steps_per_call_;
   std::vector<std::unique_ptr<Decoder>> decoders_;
   size_t next_ = 0;
+};
+
+// A step's time beyond the cache's bytes: the decode passes' own account of
+// where it went (internal::DecodeTimes) and the calls' whole time, summed
+// over the steps a row of the table timed (all rounds).
+class StepTimes {
+ public:
+  // `sessions`' steps, recorded.
+  void Steps(const Engine& engine, Sessions& sessions, bool fast) {
+    internal::RecordDecodeTimes(true);
+    const absl::Time start = absl::Now();
+    sessions.Steps(engine, fast);
+    call_us_ += absl::ToDoubleMicroseconds(absl::Now() - start);
+    internal::RecordDecodeTimes(false);
+    const internal::DecodeTimes t = internal::TakeDecodeTimes();
+    times_.passes += t.passes;
+    times_.thread_passes += t.thread_passes;
+    times_.wall += t.wall;
+    times_.start += t.start;
+    times_.units += t.units;
+    times_.merge_wait += t.merge_wait;
+    times_.merge += t.merge;
+    times_.end += t.end;
+  }
+  // Means per step, and per step and thread.
+  void Print(const char* shape, const char* cache) const {
+    if (times_.passes == 0 || times_.thread_passes == 0) return;
+    const double passes = static_cast<double>(times_.passes);
+    const double thread_passes = static_cast<double>(times_.thread_passes);
+    std::printf(
+        "%-24s %-9s %.0f us a step: its pass %.0f (per thread: start %.0f, units %.0f, last "
+        "units %.0f, merges %.0f, end %.0f), around it %.0f\n",
+        shape, cache, call_us_ / passes, times_.wall / passes, times_.start / thread_passes,
+        times_.units / thread_passes, times_.merge_wait / thread_passes,
+        times_.merge / thread_passes, times_.end / thread_passes,
+        (call_us_ - times_.wall) / passes);
+  }
+
+ private:
+  internal::DecodeTimes times_;
+  double call_us_ = 0;
 };
 
 // Prefill of `keys` rows (causal) into a session holding `held` rows (0: a
@@ -552,7 +614,7 @@ void Predecessors(const Engine& engine, const Shape& s, ReadProbe& probe, Multip
        }},
       {"the read probe, no flush after it",
        [&] {
-         f32.Flush(threads);
+         f32.Reset(threads);
          probe.Pass();  // 1 GiB: the cache stays out of the CPU's caches
        },
        false},
@@ -562,7 +624,7 @@ void Predecessors(const Engine& engine, const Shape& s, ReadProbe& probe, Multip
   for (int rep = 0; rep < kReps; ++rep) {
     for (size_t i = 0; i < befores.size(); ++i) {
       befores[i].run();
-      if (befores[i].flush) f32.Flush(threads);
+      if (befores[i].flush) f32.Reset(threads);
       const absl::Time start = absl::Now();
       f32.Step(engine, false);
       us[i].push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
@@ -745,13 +807,15 @@ int Main(int argc, char** argv) {
         var_up(variants.size());
     const int64_t rows = s.heads / s.kv_heads;  // per key/value head
     const double group = static_cast<double>(rows);
+    // Where the FLOAT32 and FAST steps' time went.
+    StepTimes f32_times, fast_times;
     for (int r = 0; r < kRounds; ++r) {
       std::vector<Timed> calls = {
           {[&] { probe.Pass(); }, [&] { probe.Flush(); }},
           {[&] { fma.Pass(); }},
-          {[&] { f32.Steps(*engine, false); }, [&] { f32.Flush(threads); }},
-          {[&] { bf16.Steps(*engine, false); }, [&] { bf16.Flush(threads); }},
-          {[&] { bf16.Steps(*engine, true); }, [&] { bf16.Flush(threads); }}};
+          {[&] { f32_times.Steps(*engine, f32, false); }, [&] { f32.Reset(threads); }},
+          {[&] { bf16.Steps(*engine, false); }, [&] { bf16.Reset(threads); }},
+          {[&] { fast_times.Steps(*engine, bf16, true); }, [&] { bf16.Reset(threads); }}};
       for (const Variant& v : variants) {
         Sessions& sessions = v.float32_cache ? f32 : bf16;
         calls.push_back({[&] {
@@ -764,7 +828,7 @@ int Main(int argc, char** argv) {
                            internal::SetDecodeDotProducts(internal::DotProducts::kChosen);
                            internal::SetDecodeKernels(internal::DecodeKernels::kBest);
                          },
-                         [&] { sessions.Flush(threads); }});
+                         [&] { sessions.Reset(threads); }});
       }
       const std::vector<double> t = TimeInterleaved(calls, 0.2);
       bandwidth.push_back(static_cast<double>(probe.bytes()) / t[0]);
@@ -819,6 +883,8 @@ int Main(int argc, char** argv) {
           sessions.bytes_per_step(), var_vs_probe[v], "", "",
           text("%.2fx", Median(var_up[v])).c_str());
     }
+    f32_times.Print(s.name, "FLOAT32");
+    fast_times.Print(s.name, "BF16 FAST");
   }
   if (only != nullptr && std::strcmp(only, "prefill") != 0) return enforce && !ok ? 1 : 0;
   const int64_t prefill = quick ? 1024 : 4096;
