@@ -112,6 +112,42 @@ std::unique_ptr<KvCache> NewCache(int64_t heads, int64_t kd, int64_t vd,
   return std::move(KvCache::Create(heads, kd, vd, dtype)).value();
 }
 
+// A cache of `dtype` holding `keys` random rows per key/value head, stored
+// directly (a prefill through the reference backend would take most of a
+// test's time), and those rows: 1 x kv_heads x keys x dim each, the values
+// from seed + 1.
+struct FilledCache {
+  std::unique_ptr<KvCache> cache;
+  Input k, v;
+};
+FilledCache Filled(int64_t kv_heads, int64_t dim, int64_t keys, DType dtype, uint32_t seed) {
+  FilledCache f{NewCache(kv_heads, dim, dim, dtype), RandomFloats({1, kv_heads, keys, dim}, seed),
+                RandomFloats({1, kv_heads, keys, dim}, seed + 1)};
+  EXPECT_THAT(
+      f.cache->Append(keys, f.k.values.data(), dim, keys * dim, f.v.values.data(), dim, keys * dim),
+      IsOk());
+  f.cache->Commit();
+  return f;
+}
+
+// One step's rows, random from `seed`: the query (group query heads per
+// key/value head) and the new keys and values, `rows` each, and the
+// arguments that take them.
+struct StepRows {
+  Input q, k, v;
+  AttentionArgs args;
+};
+StepRows RandomStep(int64_t kv_heads, int64_t group, int64_t rows, int64_t dim, uint32_t seed) {
+  StepRows s{RandomFloats({1, kv_heads * group, rows, dim}, seed),
+             RandomFloats({1, kv_heads, rows, dim}, seed + 1),
+             RandomFloats({1, kv_heads, rows, dim}, seed + 2),
+             {}};
+  s.args.query = s.q.view();
+  s.args.key = s.k.view();
+  s.args.value = s.v.view();
+  return s;
+}
+
 class SessionTest : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override {
@@ -538,15 +574,7 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
           // 10 blocks: where the cache is worth two threads, two ranges of
           // blocks, each head on its own.
           const int64_t kv_heads = 2, keys = 600;
-          auto cache = NewCache(kv_heads, dim, dim, dtype);
-          const Input k0 = RandomFloats({1, kv_heads, keys, dim}, 120),
-                      v0 = RandomFloats({1, kv_heads, keys, dim}, 121);
-          // The rows go in directly: this test is about the step, and a
-          // prefill through the reference backend would take most of its time.
-          ASSERT_THAT(cache->Append(keys, k0.values.data(), dim, keys * dim, v0.values.data(), dim,
-                                    keys * dim),
-                      IsOk());
-          cache->Commit();
+          auto [cache, k0, v0] = Filled(kv_heads, dim, keys, dtype, 120);
           AttentionArgs args;
           const Input q = RandomFloats({1, kv_heads * group, 1, dim}, 122),
                       k = RandomFloats({1, kv_heads, 1, dim}, 123),
@@ -673,22 +701,11 @@ TEST(DecodeTimesTest, EachPassAndThreadRecordedWhileOn) {
   std::unique_ptr<Engine> engine = std::move(Engine::Create(options)).value();
   // 600 KiB read per step: enough for both threads (kParallelBytes).
   const int64_t kv_heads = 2, dim = 64, cached = 600;
-  std::unique_ptr<KvCache> cache = NewCache(kv_heads, dim, dim, DType::kFloat32);
-  const Input k0 = RandomFloats({1, kv_heads, cached, dim}, 300),
-              v0 = RandomFloats({1, kv_heads, cached, dim}, 301);
-  ASSERT_THAT(cache->Append(cached, k0.values.data(), dim, cached * dim, v0.values.data(), dim,
-                            cached * dim),
-              IsOk());
-  cache->Commit();
-  SessionCall session{{cache.get()}, false};
-  const Input q = RandomFloats({1, kv_heads * 4, 1, dim}, 302),
-              k = RandomFloats({1, kv_heads, 1, dim}, 303),
-              v = RandomFloats({1, kv_heads, 1, dim}, 304);
-  AttentionArgs args;
-  args.query = q.view();
-  args.key = k.view();
-  args.value = v.view();
-  EngineCall call{&args, nullptr};
+  const FilledCache filled = Filled(kv_heads, dim, cached, DType::kFloat32, 300);
+  KvCache* const cache = filled.cache.get();
+  SessionCall session{{cache}, false};
+  StepRows rows = RandomStep(kv_heads, 4, 1, dim, 302);
+  EngineCall call{&rows.args, nullptr};
   call.session = &session;
   auto step = [&] {
     ASSERT_THAT(engine->AttendBatch({&call, 1}).front(), IsOk());
@@ -776,20 +793,8 @@ TEST_P(SessionTest, ALoneLongSessionSplitIntoShrinkingRangesMatches) {
     for (bool fast : {false, true}) {
       if (fast && dtype == DType::kFloat32) continue;
       SCOPED_TRACE(absl::StrCat(DTypeName(dtype), fast ? " FAST" : ""));
-      auto cache = NewCache(kv_heads, dim, dim, dtype);
-      const Input k0 = RandomFloats({1, kv_heads, cached, dim}, 220),
-                  v0 = RandomFloats({1, kv_heads, cached, dim}, 221);
-      ASSERT_THAT(cache->Append(cached, k0.values.data(), dim, cached * dim, v0.values.data(), dim,
-                                cached * dim),
-                  IsOk());
-      cache->Commit();
-      const Input q = RandomFloats({1, kv_heads * group, 1, dim}, 222),
-                  k = RandomFloats({1, kv_heads, 1, dim}, 223),
-                  v = RandomFloats({1, kv_heads, 1, dim}, 224);
-      AttentionArgs args;
-      args.query = q.view();
-      args.key = k.view();
-      args.value = v.view();
+      auto [cache, k0, v0] = Filled(kv_heads, dim, cached, dtype, 220);
+      auto [q, k, v, args] = RandomStep(kv_heads, group, 1, dim, 222);
       args.fast = fast;
       SessionCall session{{cache.get()}, false};
       EngineCall call{&args, nullptr};
@@ -820,13 +825,7 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
           SCOPED_TRACE(absl::StrCat(KernelsName(kernels), " ", cached, " cached rows ",
                                     DTypeName(dtype), fast ? " FAST" : ""));
           const int64_t kv_heads = 2, group = 2, dim = 32, rows = 4;
-          auto cache = NewCache(kv_heads, dim, dim, dtype);
-          const Input k0 = RandomFloats({1, kv_heads, cached, dim}, 160),
-                      v0 = RandomFloats({1, kv_heads, cached, dim}, 161);
-          ASSERT_THAT(cache->Append(cached, k0.values.data(), dim, cached * dim, v0.values.data(),
-                                    dim, cached * dim),
-                      IsOk());
-          cache->Commit();
+          auto [cache, k0, v0] = Filled(kv_heads, dim, cached, dtype, 160);
           const Input q = RandomFloats({1, kv_heads * group, rows, dim}, 162),
                       k = RandomFloats({1, kv_heads, rows, dim}, 163),
                       v = RandomFloats({1, kv_heads, rows, dim}, 164);
