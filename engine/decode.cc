@@ -1118,13 +1118,9 @@ class PassMarks {
   // Into what the passes recorded, as one thread's pass.
   void Record() {
     if (!on_) return;
+    times_.thread_passes = 1;
     absl::MutexLock lock(&times_mu);
-    recorded_times.thread_passes += 1;
-    recorded_times.start += times_.start;
-    recorded_times.units += times_.units;
-    recorded_times.merge_wait += times_.merge_wait;
-    recorded_times.merge += times_.merge;
-    recorded_times.end += times_.end;
+    recorded_times += times_;
   }
 
  private:

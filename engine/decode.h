@@ -133,6 +133,18 @@ struct DecodeTimes {
   int64_t passes = 0;
   int64_t thread_passes = 0;  // passes times their threads
   double wall = 0, start = 0, units = 0, merge_wait = 0, merge = 0, end = 0;
+
+  DecodeTimes& operator+=(const DecodeTimes& o) {
+    passes += o.passes;
+    thread_passes += o.thread_passes;
+    wall += o.wall;
+    start += o.start;
+    units += o.units;
+    merge_wait += o.merge_wait;
+    merge += o.merge;
+    end += o.end;
+    return *this;
+  }
 };
 // Off by default (a pass then reads no clock).
 void RecordDecodeTimes(bool on);

@@ -494,15 +494,7 @@ class StepTimes {
     sessions.Steps(engine, fast);
     call_us_ += absl::ToDoubleMicroseconds(absl::Now() - start);
     internal::RecordDecodeTimes(false);
-    const internal::DecodeTimes t = internal::TakeDecodeTimes();
-    times_.passes += t.passes;
-    times_.thread_passes += t.thread_passes;
-    times_.wall += t.wall;
-    times_.start += t.start;
-    times_.units += t.units;
-    times_.merge_wait += t.merge_wait;
-    times_.merge += t.merge;
-    times_.end += t.end;
+    times_ += internal::TakeDecodeTimes();
   }
   // Means per step, and per step and thread.
   void Print(const char* shape, const char* cache) const {
