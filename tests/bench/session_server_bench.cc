@@ -2,13 +2,18 @@
 // H8 D64 over 4096 cached rows per session through a real AttentionServer,
 // against the same step in the engine alone plus a bare gRPC echo of the
 // step's request and answer bytes (tests/bench/echo.proto), all in one
-// process and one run; and a step request's bytes at two cached lengths.
+// process and one run, under OpenMP's wait policy as attention_server sets
+// it; and a step request's bytes at two cached lengths.
 // Prints the figures and "PASS" / "MISS"; with --enforce exits 1 on a miss.
 //
 //   session_server_bench [--enforce]
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -30,6 +35,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "server/openmp_defaults.h"
 #include "server/server.h"
 #include "tests/bench/echo.grpc.pb.h"
 
@@ -44,18 +50,25 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Seconds per call of `f` over one round of at least 0.3 s.
-template <typename F>
-double TimeRound(F f) {
+// Seconds per call of `f` over one round of at least 0.3 s; `between`, if
+// given, runs after each call, untimed.
+template <typename F, typename G>
+double TimeRound(F f, G between) {
   int calls = 0;
   const absl::Time start = absl::Now();
-  double elapsed = 0;
+  double timed = 0;
   do {
+    const absl::Time call = absl::Now();
     f();
+    timed += absl::ToDoubleSeconds(absl::Now() - call);
     ++calls;
-    elapsed = absl::ToDoubleSeconds(absl::Now() - start);
-  } while (elapsed < 0.3);
-  return elapsed / calls;
+    between();
+  } while (absl::Now() - start < absl::Seconds(0.3));
+  return timed / calls;
+}
+template <typename F>
+double TimeRound(F f) {
+  return TimeRound(f, [] {});
 }
 
 std::vector<float> RandomValues(int64_t n, uint32_t seed) {
@@ -102,8 +115,9 @@ class EchoService final : public bench::Echo::CallbackService {
   const v1::AttendResponse canned_;
 };
 
-// The engine alone: the same sessions' step, appended and dropped again,
-// over caches grown (GrowTo) to the server's sessions' length.
+// The engine alone: the same sessions' step over caches grown (GrowTo) to
+// the server's sessions' length, its rows dropped again after it (Drop,
+// untimed: the server's steps commit theirs).
 class EngineStep {
  public:
   EngineStep()
@@ -144,8 +158,32 @@ class EngineStep {
     // the engine's worker thread the baseline would include a hop the
     // server's step does not take.
     if (!engine_->AttendBatchFromThisThread({&call, 1}).front().ok()) Fail("engine step");
+  }
+  void Drop() {
     for (KvCache* c : session_.caches) c->Rollback();
   }
+
+  // While it lives, the calling thread is bound to the engine's first CPU
+  // and its passes' team to the others, as the server's scheduler's thread
+  // is (Engine::BindThisThread), so that its passes' threads do not share a
+  // CPU; then the thread may run where it could before.
+  class Binding {
+   public:
+    explicit Binding(const EngineStep& step)
+        : saved_(pthread_getaffinity_np(pthread_self(), sizeof own_, &own_) == 0) {
+      step.engine_->BindThisThread();
+    }
+    ~Binding() {
+      if (saved_) pthread_setaffinity_np(pthread_self(), sizeof own_, &own_);
+    }
+    Binding(const Binding&) = delete;
+    Binding& operator=(const Binding&) = delete;
+
+   private:
+    cpu_set_t own_;
+    const bool saved_;
+  };
+  bool bound() const { return !engine_->bound_cpus().empty(); }
 
  private:
   std::unique_ptr<Engine> engine_;
@@ -226,8 +264,17 @@ int Main(int argc, char** argv) {
     if (!stub->Attend(&context, echo_request, &response).ok()) Fail("echo call");
   };
   EngineStep engine;
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  std::printf("OMP_WAIT_POLICY=%s; the engine alone's steps %s\n",
+              policy != nullptr ? policy : "(unset)",
+              engine.bound() ? "bound to CPUs as the server's scheduler is"
+                             : "unbound, as the server's scheduler is on this machine");
   engine.GrowTo(positions[0]);
-  engine.Step();
+  {
+    const EngineStep::Binding bound(engine);
+    engine.Step();
+    engine.Drop();
+  }
   echo_call();
   // The three alternate over rounds, so that load from elsewhere on the
   // machine falls on all of them; the ratio is the median of the rounds'.
@@ -238,7 +285,10 @@ int Main(int argc, char** argv) {
     const int64_t before = positions[0];
     servers.push_back(TimeRound(server_step));
     engine.GrowTo((before + positions[0]) / 2);
-    engines.push_back(TimeRound([&] { engine.Step(); }));
+    {
+      const EngineStep::Binding bound(engine);
+      engines.push_back(TimeRound([&] { engine.Step(); }, [&] { engine.Drop(); }));
+    }
     echoes.push_back(TimeRound(echo_call));
     ratios.push_back(servers.back() / (engines.back() + echoes.back()));
     streams.push_back(TimeRound(stream_step));
@@ -277,4 +327,10 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace attention
 
-int main(int argc, char** argv) { return attention::Main(argc, argv); }
+int main(int argc, char** argv) {
+  // As attention_server does: OpenMP threads sleep between passes
+  // (OMP_WAIT_POLICY=PASSIVE unless the environment sets it; may execute
+  // this binary again).
+  attention::server::ReexecWithOpenMpDefaults(argv);
+  return attention::Main(argc, argv);
+}
