@@ -575,13 +575,7 @@ TEST_P(SessionTest, DecodeKernelShapesMatch) {
           // blocks, each head on its own.
           const int64_t kv_heads = 2, keys = 600;
           auto [cache, k0, v0] = Filled(kv_heads, dim, keys, dtype, 120);
-          AttentionArgs args;
-          const Input q = RandomFloats({1, kv_heads * group, 1, dim}, 122),
-                      k = RandomFloats({1, kv_heads, 1, dim}, 123),
-                      v = RandomFloats({1, kv_heads, 1, dim}, 124);
-          args.query = q.view();
-          args.key = k.view();
-          args.value = v.view();
+          auto [q, k, v, args] = RandomStep(kv_heads, group, 1, dim, 122);
           absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
           ASSERT_THAT(got, IsOk());
           absl::StatusOr<AttentionResult> want = StatelessOverStored(args, k0, v0, k, v, dtype);
@@ -826,13 +820,7 @@ TEST_P(SessionTest, DecodeKernelCausalRowsAcrossBlockBoundaries) {
                                     DTypeName(dtype), fast ? " FAST" : ""));
           const int64_t kv_heads = 2, group = 2, dim = 32, rows = 4;
           auto [cache, k0, v0] = Filled(kv_heads, dim, cached, dtype, 160);
-          const Input q = RandomFloats({1, kv_heads * group, rows, dim}, 162),
-                      k = RandomFloats({1, kv_heads, rows, dim}, 163),
-                      v = RandomFloats({1, kv_heads, rows, dim}, 164);
-          AttentionArgs args;
-          args.query = q.view();
-          args.key = k.view();
-          args.value = v.view();
+          auto [q, k, v, args] = RandomStep(kv_heads, group, rows, dim, 162);
           args.mask.causal = Causal::kBottomRight;
           args.fast = fast;
           absl::StatusOr<AttentionResult> got = Step(args, {cache.get()});
